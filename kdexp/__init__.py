@@ -1,0 +1,1 @@
+"""kdexp: knowledge-distillation experiments for LLMs on megatron-core."""

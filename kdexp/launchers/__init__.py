@@ -1,0 +1,1 @@
+"""kdexp.launchers"""
