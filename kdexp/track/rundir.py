@@ -1,0 +1,98 @@
+"""Run directories: one agreed name per launch, the finished-point index, and atomic JSON writes.
+
+``kdexp_stamp`` is the OmegaConf resolver behind ``hydra.run.dir`` and ``hydra.sweep.dir``: a date, a time and a short
+random id, so two runs (or sweeps) started in the same second never share a directory. Under torchrun every rank runs
+Hydra, so ``agree_on_stamp()`` lets rank 0 choose the stamp and hands it to the others before Hydra starts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+_STAMP_ENV = "KDEXP_RUN_STAMP"
+
+
+def _stamp() -> str:
+    if _STAMP_ENV not in os.environ:  # computed once per process, so every interpolation agrees
+        os.environ[_STAMP_ENV] = time.strftime("%Y-%m-%d/%H-%M-%S-") + uuid.uuid4().hex[:6]
+    return os.environ[_STAMP_ENV]
+
+
+if not OmegaConf.has_resolver("kdexp_stamp"):
+    OmegaConf.register_new_resolver("kdexp_stamp", _stamp)
+
+
+def launched_rank() -> int:
+    """Global rank from the launcher's environment (torchrun or SLURM), before any process group exists."""
+    for key in ("RANK", "SLURM_PROCID"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return 0
+
+
+def agree_on_stamp() -> None:
+    """Under torchrun, make every rank use rank 0's stamp and keep Hydra's files and logs to rank 0."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or "TORCHELASTIC_RUN_ID" not in os.environ or _STAMP_ENV in os.environ:
+        return
+    from datetime import timedelta
+
+    from torch.distributed import PrefixStore, TCPStore
+
+    rank = int(os.environ["RANK"])
+    # torchrun's agent hosts a TCPStore on MASTER_PORT for the whole job (TORCHELASTIC_USE_AGENT_STORE): every rank
+    # joins it as a client, before Hydra and before kdexp.distributed creates the process group.
+    store = PrefixStore(f"kdexp/{os.environ['TORCHELASTIC_RUN_ID']}/", TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+        timeout=timedelta(seconds=300)))
+    if rank == 0:
+        store.set(_STAMP_ENV, _stamp())
+    os.environ[_STAMP_ENV] = store.get(_STAMP_ENV).decode()
+    if rank != 0:
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON atomically: a temp file in the same directory, then os.replace."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True, default=float)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(Path(path).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+class PointIndex:
+    """Finished and started points keyed by config hash, so an identical sweep re-run retrains nothing.
+
+    ``<index>/<hash>.json`` = {"run_dir": first run dir that trained this config}. A new run of the same config
+    reuses that dir's summary when it finished, or resumes from its checkpoints when it was interrupted.
+    """
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def lookup(self, key: str) -> Optional[Path]:
+        entry = read_json(self.root / f"{key}.json")
+        if entry is None or not Path(entry["run_dir"]).is_dir():
+            return None
+        return Path(entry["run_dir"])
+
+    def claim(self, key: str, run_dir: Path) -> None:
+        write_json(self.root / f"{key}.json", {"run_dir": str(Path(run_dir).resolve())})
