@@ -1,1 +1,205 @@
-"""kdexp.distributed"""
+"""Process groups and megatron-core parallel state for kdexp.
+
+``initialize()`` is the one entry point: it finds out who this process is (torchrun, submitit, plain SLURM srun,
+or a lone local process), creates the torch.distributed default group (nccl on CUDA, gloo on CPU), builds
+megatron's tensor/pipeline/data parallel groups and seeds megatron's model-parallel RNG. On a machine without CUDA
+it first applies kdexp.distributed.cpu, the only place that answers megatron's CUDA assumptions.
+
+Typical use (trainer)::
+
+    st = kdexp.distributed.initialize(tensor_parallel=cfg.parallel.tensor, seed=cfg.seed)
+    ... st.rank, st.tp_rank, st.dp_rank, st.dp_size, st.device ...
+    if kdexp.distributed.is_rank0(): write files
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import random
+import re
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from kdexp.distributed import cpu
+
+__all__ = ["DistState", "initialize", "state", "tp_group", "dp_group", "is_rank0", "destroy", "is_initialized"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DistState:
+    rank: int
+    world_size: int
+    local_rank: int
+    tp_size: int
+    tp_rank: int
+    dp_size: int
+    dp_rank: int
+    device: torch.device
+    backend: str
+    pp_size: int = 1
+    pp_rank: int = 0
+    source: str = "local"  # where rank/world came from: torchrun | submitit | slurm | local | existing
+
+
+_STATE: Optional[DistState] = None
+_OWNS_PROCESS_GROUP = False
+
+
+def _check_size(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First hostname of a SLURM nodelist such as 'gpu[03-05,9],cpu1' -> 'gpu03' (no scontrol needed)."""
+    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"SLURM_JOB_NODELIST: cannot parse {nodelist!r}")
+    prefix, _, ranges = m.groups()
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _launch_env():
+    """(rank, world_size, local_rank, master_addr, master_port, source); master_port None = pick a free one."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return (int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0")),
+                env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None,
+                "torchrun")
+    if env.get("SUBMITIT_EXECUTOR"):
+        from submitit.helpers import TorchDistributedEnvironment
+
+        te = TorchDistributedEnvironment()  # reads submitit's JobEnvironment; port derived from the job id
+        return te.rank, te.world_size, te.local_rank, te.master_addr, te.master_port, "submitit"
+    # Plain SLURM only inside an srun step: in the batch script itself SLURM_NTASKS counts tasks that do not run.
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
+        world = int(env["SLURM_NTASKS"])
+        port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None
+        if port is None and world > 1:
+            # Every task must agree on the port without talking: derive it from the job id (as submitit does).
+            port = random.Random(env.get("SLURM_JOB_ID", "0")).randint(20000, 60000)
+        addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        return int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", "0")), addr, port, "slurm"
+    return 0, 1, 0, "127.0.0.1", None, "local"
+
+
+def _init_process_group(backend: str) -> tuple[int, int, int, str]:
+    global _OWNS_PROCESS_GROUP
+    if dist.is_initialized():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        return dist.get_rank(), dist.get_world_size(), local_rank, "existing"
+    rank, world, local_rank, addr, port, source = _launch_env()
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    timeout = datetime.timedelta(minutes=30)
+    if source == "torchrun" and (port is not None or world > 1):
+        # env:// lets torchrun's agent store (already listening on MASTER_PORT) serve the rendezvous.
+        dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
+    elif port is None:
+        # Single process: let the OS pick the port while the store binds it (no find-then-bind race).
+        store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=timeout)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
+                                timeout=timeout)
+    _OWNS_PROCESS_GROUP = True
+    return rank, world, local_rank, source
+
+
+def initialize(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int = 1234) -> DistState:
+    """Create (once) the process group, megatron's parallel state and the model-parallel RNG; return DistState.
+
+    Calling it again with the same sizes returns the existing state; other sizes raise (call destroy() first).
+    """
+    global _STATE
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel as mp_tensor_parallel
+
+    tp = _check_size("parallel.tensor", tensor_parallel)
+    pp = _check_size("parallel.pipeline", pipeline_parallel)
+    if _STATE is not None:
+        if (_STATE.tp_size, _STATE.pp_size) != (tp, pp):
+            raise ValueError(
+                f"parallel.tensor/parallel.pipeline: already initialized with tensor={_STATE.tp_size} "
+                f"pipeline={_STATE.pp_size}, asked for tensor={tp} pipeline={pp}; call destroy() first")
+        return _STATE
+
+    use_cuda = torch.cuda.is_available()
+    if not use_cuda:
+        cpu.apply()
+    backend = "nccl" if use_cuda else "gloo"
+    rank, world, local_rank, source = _init_process_group(backend)
+    if world % (tp * pp) != 0:
+        raise ValueError(
+            f"parallel.tensor={tp} (x parallel.pipeline={pp}) must divide the world size {world}")
+
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    if use_cuda:
+        mp_tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        torch.manual_seed(seed)
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        cpu.model_parallel_manual_seed(seed, tp_rank=tp_rank)
+        device = torch.device("cpu")
+    _STATE = DistState(
+        rank=rank, world_size=world, local_rank=local_rank,
+        tp_size=ps.get_tensor_model_parallel_world_size(), tp_rank=tp_rank,
+        dp_size=ps.get_data_parallel_world_size(), dp_rank=ps.get_data_parallel_rank(),
+        device=device, backend=dist.get_backend(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+        source=source)
+    return _STATE
+
+
+def is_initialized() -> bool:
+    return _STATE is not None
+
+
+def state() -> DistState:
+    if _STATE is None:
+        raise RuntimeError("kdexp.distributed.initialize() has not been called")
+    return _STATE
+
+
+def tp_group():
+    """Megatron's tensor-parallel process group of this rank."""
+    from megatron.core import parallel_state as ps
+
+    state()
+    return ps.get_tensor_model_parallel_group()
+
+
+def dp_group():
+    """Megatron's data-parallel process group of this rank."""
+    from megatron.core import parallel_state as ps
+
+    state()
+    return ps.get_data_parallel_group()
+
+
+def is_rank0() -> bool:
+    """True on global rank 0 (and when torch.distributed is not set up at all): the only rank that writes."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return True
+
+
+def destroy() -> None:
+    """Tear down megatron's parallel state and the process group (tests; end of a run)."""
+    global _STATE, _OWNS_PROCESS_GROUP
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _STATE = None
+    _OWNS_PROCESS_GROUP = False

@@ -1,0 +1,100 @@
+"""Run a function on N local gloo processes, the way torchrun would start them (for tests).
+
+    from kdexp.distributed.testing import run_on_processes
+
+    def _worker(rank, world_size, tp):            # module-level, so spawn can import it
+        st = kdexp.distributed.initialize(tensor_parallel=tp)
+        ...
+        return some_picklable_value               # e.g. tensors (.detach().clone()), floats, dicts
+
+    results = run_on_processes(_worker, 2, args=(2,))   # -> [value of rank 0, value of rank 1]
+
+Each child gets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a
+free port) so kdexp.distributed.initialize() takes its torchrun path, one intra-op thread (the CPU is shared), and
+kdexp.distributed.destroy() after fn returns. A failure in any rank is raised in the parent with that rank's
+traceback; a hang is killed after `timeout` seconds.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import os
+import queue
+import socket
+import traceback
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1 (bind to port 0 and read it back)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world_size, port, args, kwargs, env, results):
+    try:
+        os.environ.update({
+            "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        })
+        os.environ.update(env or {})
+        import torch
+
+        torch.set_num_threads(1)
+        try:
+            out = fn(rank, world_size, *args, **kwargs)
+        finally:
+            import kdexp.distributed as kd
+
+            if kd.is_initialized() or torch.distributed.is_initialized():
+                kd.destroy()
+        # torch.save bytes, not the objects: a tensor put on a Queue lives in the child's shared memory, which
+        # may be gone by the time the parent reads it.
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, True, buf.getvalue()))
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_on_processes(fn, nprocs: int = 2, *, args=(), kwargs=None, env=None, timeout: float = 300.0) -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on `nprocs` spawned processes; return the results by rank."""
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, nprocs, port, tuple(args), dict(kwargs or {}), env, results),
+                         daemon=False) for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    out: dict[int, object] = {}
+    errors: list[str] = []
+    try:
+        while len(out) + len(errors) < nprocs:
+            try:
+                rank, ok, value = results.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"run_on_processes: no result from some rank within {timeout}s") from None
+            if ok:
+                import torch
+
+                out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                errors.append(f"--- rank {rank} ---\n{value}")
+                break  # the other ranks may wait forever on a collective; stop them below
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if errors:
+        raise RuntimeError("run_on_processes: a rank failed\n" + "\n".join(errors))
+    bad = [p.exitcode for p in procs if p.exitcode not in (0, None)]
+    if bad and len(out) < nprocs:
+        raise RuntimeError(f"run_on_processes: processes exited with codes {bad}")
+    return [out[r] for r in range(nprocs)]

@@ -1,0 +1,168 @@
+"""kdexp.distributed: process groups, megatron parallel state and the CPU answers to megatron's CUDA assumptions.
+
+The TP=2 run (two gloo processes) is checked against an independent TP=1 run of the same tiny megatron GPTModel.
+"""
+
+import pytest
+import torch
+
+import kdexp.distributed as kd
+from kdexp.distributed import cpu
+from kdexp.distributed.testing import run_on_processes
+
+VOCAB, SEQ, BATCH = 128, 16, 2
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_EXECUTOR",
+                "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID", "SLURM_STEPID", "SLURM_LOCALID",
+                "SLURM_JOB_NODELIST", "SLURM_JOB_ID")
+
+
+def _tiny_gpt(tp):
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+        kv_channels=16, normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, qk_layernorm=True, layernorm_epsilon=1e-6, hidden_dropout=0.0,
+        attention_dropout=0.0, use_cpu_initialization=True, params_dtype=torch.float32,
+        tensor_model_parallel_size=tp)
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    return GPTModel(cfg, spec, vocab_size=VOCAB, max_sequence_length=SEQ, position_embedding_type="rope",
+                    rotary_base=1000000, share_embeddings_and_output_weights=False)
+
+
+def _fwd_bwd(rank, world_size, tp):
+    """One forward+backward of a tiny GPTModel; returns the loss and full (TP-gathered) tensors to compare."""
+    from megatron.core import tensor_parallel
+
+    st = kd.initialize(tensor_parallel=tp, seed=7)
+    assert (st.world_size, st.tp_size, st.tp_rank, st.dp_size, st.backend) == (world_size, tp, rank, 1, "gloo")
+    model = _tiny_gpt(tp)
+    gen = torch.Generator().manual_seed(0)  # same data on every rank and in both runs
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    pos = torch.arange(SEQ).expand(BATCH, -1)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    logits = model(inputs, pos, mask)  # [b, s, V/tp]
+    loss = tensor_parallel.vocab_parallel_cross_entropy(
+        logits.transpose(0, 1).contiguous().float(), labels.transpose(0, 1).contiguous()).mean()
+    loss.backward()
+
+    def gather(t, dim=0):
+        parts = [torch.empty_like(t) for _ in range(tp)]
+        torch.distributed.all_gather(parts, t.contiguous(), group=kd.tp_group())
+        return torch.cat(parts, dim=dim)
+
+    fc2 = model.decoder.layers[0].mlp.linear_fc2
+    return {
+        "loss": loss.detach(),
+        "logits": gather(logits.detach(), dim=-1),
+        "final_norm_grad": model.decoder.final_layernorm.weight.grad.clone(),
+        "fc2_grad": gather(fc2.weight.grad, dim=1),  # row-parallel: sharded along the input dim
+        "qkv_weight": gather(model.decoder.layers[0].self_attention.linear_qkv.weight.detach()),
+    }
+
+
+@pytest.mark.slow
+def test_tp2_matches_tp1():
+    ref = run_on_processes(_fwd_bwd, 1, args=(1,))[0]
+    r0, r1 = run_on_processes(_fwd_bwd, 2, args=(2,))
+    # Same initial weights (megatron's CPU init builds the master weight and slices it) ...
+    torch.testing.assert_close(r0["qkv_weight"], ref["qkv_weight"], rtol=0, atol=0)
+    for r in (r0, r1):
+        torch.testing.assert_close(r["logits"], ref["logits"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(r["loss"], ref["loss"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(r["final_norm_grad"], ref["final_norm_grad"], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(r["fc2_grad"], ref["fc2_grad"], rtol=1e-4, atol=1e-6)
+    assert ref["final_norm_grad"].abs().sum() > 0
+
+
+@pytest.fixture
+def lone_process(monkeypatch):
+    for var in _LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    if kd.is_initialized():
+        kd.destroy()
+    yield
+    if kd.is_initialized() or torch.distributed.is_initialized():
+        kd.destroy()
+
+
+def test_single_process_initialize_is_idempotent(lone_process):
+    from megatron.core import parallel_state as ps
+
+    st = kd.initialize(seed=3)
+    assert (st.rank, st.world_size, st.tp_size, st.tp_rank, st.dp_size, st.dp_rank) == (0, 1, 1, 0, 1, 0)
+    assert st.source == "local" and st.device == torch.device("cpu") and st.backend == "gloo"
+    assert ps.model_parallel_is_initialized() and kd.is_rank0()
+    assert kd.initialize(seed=3) is st and kd.state() is st
+    assert torch.distributed.get_world_size(kd.tp_group()) == 1
+    assert torch.distributed.get_world_size(kd.dp_group()) == 1
+    with pytest.raises(ValueError, match="parallel.tensor"):
+        kd.initialize(tensor_parallel=2)
+    kd.destroy()
+    assert not kd.is_initialized() and not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError):
+        kd.state()
+
+
+def test_tp_must_divide_world_size(lone_process):
+    with pytest.raises(ValueError, match=r"parallel\.tensor=2"):
+        kd.initialize(tensor_parallel=2)
+    with pytest.raises(ValueError, match="parallel.tensor"):
+        kd.initialize(tensor_parallel=0)
+
+
+def test_cpu_rng_tracker_forks_deterministically(lone_process):
+    from megatron.core import tensor_parallel
+
+    kd.initialize(seed=11)
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    assert isinstance(tracker, tensor_parallel.random.CudaRNGStatesTracker)
+
+    def draw():
+        cpu.model_parallel_manual_seed(11, tp_rank=0)
+        a = torch.rand(4)
+        with tracker.fork():
+            forked = torch.rand(4)
+        b = torch.rand(4)
+        return a, forked, b
+
+    a, forked, b = draw()
+    a2, forked2, b2 = draw()
+    torch.testing.assert_close((a, forked, b), (a2, forked2, b2), rtol=0, atol=0)
+    # The default stream continues as if the fork had not happened ...
+    torch.manual_seed(11)
+    expected = torch.rand(8)
+    torch.testing.assert_close(torch.cat([a, b]), expected, rtol=0, atol=0)
+    # ... and the model-parallel stream is its own seed (seed + 2718 + tp_rank, as megatron's).
+    torch.testing.assert_close(forked, torch.rand(4, generator=torch.Generator().manual_seed(11 + 2718)))
+    # Megatron's CUDA-only defaults now answer on the CPU.
+    assert torch.cuda.current_device() == torch.device("cpu")
+    from megatron.core.fusions import fused_softmax
+
+    assert fused_softmax.get_default_causal_mask(3).tolist() == [[False, True, True], [False, False, True],
+                                                                 [False, False, False]]
+
+
+def test_launch_env_sources(monkeypatch, lone_process):
+    from kdexp.distributed import _first_slurm_host, _launch_env
+
+    assert _launch_env()[1:] == (1, 0, "127.0.0.1", None, "local")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[07-08],cpu1")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    # The batch script itself (no srun step) is one process, whatever SLURM_NTASKS says.
+    assert _launch_env()[-1] == "local"
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    rank, world, local, addr, port, source = _launch_env()
+    assert (rank, world, local, addr, source) == (3, 4, 1, "gpu07", "slurm") and 20000 <= port <= 60000
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_PORT", "29555")
+    assert _launch_env() == (1, 2, 0, "127.0.0.1", 29555, "torchrun")
+    assert _first_slurm_host("node1") == "node1" and _first_slurm_host("a[1,3-4]") == "a1"
