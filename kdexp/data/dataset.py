@@ -1,0 +1,296 @@
+"""`prepare()`: config -> tokenizer + megatron GPTDatasets (train, validation); `batches()`: data-parallel,
+resumable micro-batches from one of them.
+
+Two sources (``data.name``):
+  * ``stdlib`` -- the embedded corpus (kdexp.data.corpus): a byte-level BPE is trained on its train split
+    (unless a checkpoint tokenizer is given), both splits are tokenized into indexed datasets, all cached;
+  * ``indexed`` -- existing megatron <prefix>.bin/.idx files (``data.prefixes``, or ``data.blend`` as
+    megatron's ["weight", "prefix", ...] list) with the checkpoint's tokenizer (``data.tokenizer``);
+    train/validation come from ``data.split`` ("98,2,0") or from separate ``data.valid_prefixes``.
+
+Caches: one process per node builds the tokenizer and token files (atomic directories, so nodes sharing a
+filesystem race safely), everyone waits at a barrier and reads. megatron-core's GPTDataset then builds its
+own document/sample/shuffle index cache under <cache>/gpt_index: global rank 0 builds it (holding a file lock
+so that concurrent jobs never read half-written .npy files) and the other ranks read it, which, as in
+Megatron-LM, needs the cache directory on a filesystem all nodes share for multi-node runs.
+
+megatron's sample index comes from its C++ `helpers_cpp` extension, which the megatron-core wheel ships
+compiled (megatron/core/datasets/helpers_cpp.*.so), so nothing is compiled at run time; `_check_helpers`
+fails early with the fix if an install lacks it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from kdexp.data import cache as _cache
+from kdexp.data.corpus import DEFAULT_MAX_CHARS, DEFAULT_VAL_FRACTION, corpus_fingerprint, embedded_corpus
+from kdexp.data.indexed import indexed_exists, tokenize_to_indexed
+from kdexp.data.tokenizer import Tokenizer, train_bpe
+
+__all__ = ["DataBundle", "prepare", "batches"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_VOCAB_SIZE = 4096
+_FORMAT = 1  # bump when the layout of cached artefacts changes
+
+
+@dataclass
+class DataBundle:
+    tokenizer: Tokenizer
+    train_ds: Any            # megatron GPTDataset (or BlendedDataset for weighted blends)
+    val_ds: Any
+    vocab_size: int          # embedding rows the models need (>= tokenizer.vocab_size)
+    seq_length: int
+    info: dict = field(default_factory=dict)   # paths and sizes, for logs
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    if cfg is None:
+        return default
+    if hasattr(cfg, "get"):  # dict, omegaconf DictConfig
+        value = cfg.get(key, default)
+    else:  # a plain dataclass
+        value = getattr(cfg, key, default)
+    return default if value is None else value
+
+
+def _plain(value: Any) -> Any:
+    try:
+        from omegaconf import OmegaConf
+
+        if OmegaConf.is_config(value):
+            return OmegaConf.to_container(value, resolve=True)
+    except ImportError:
+        pass
+    return value
+
+
+def _check_helpers() -> None:
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError as err:
+        raise RuntimeError(
+            "megatron-core's compiled dataset helpers (megatron.core.datasets.helpers_cpp) are missing; "
+            "reinstall megatron-core from a wheel, or build them with "
+            "`python -c 'from megatron.core.datasets.utils import compile_helpers; compile_helpers()'` "
+            "(needs g++, python headers and pybind11)") from err
+
+
+def _check_positive(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------- stdlib source
+
+def _stdlib_sources(data_cfg, root: Path, tokenizer_path) -> tuple[Tokenizer, list, list, int, dict]:
+    vocab_size = _get(data_cfg, "vocab_size", DEFAULT_VOCAB_SIZE)
+    max_chars = _get(data_cfg, "max_chars", DEFAULT_MAX_CHARS)
+    val_fraction = _get(data_cfg, "val_fraction", DEFAULT_VAL_FRACTION)
+    max_documents = _get(data_cfg, "max_documents", None)
+    train_docs, val_docs = embedded_corpus(max_chars, val_fraction, max_documents)
+
+    tok_dir = None
+    if tokenizer_path is None:
+        import tokenizers
+
+        tok_dir = _cache.cached_path("tokenizer", {
+            "format": _FORMAT, "type": "bytelevel-bpe", "vocab_size": vocab_size, "min_frequency": 2,
+            "corpus": corpus_fingerprint(train_docs), "tokenizers": tokenizers.__version__}, root)
+    if _cache.is_node_builder():
+        if tok_dir is not None and not tok_dir.is_dir():
+            log.info("training a %d-token byte-level BPE on %d documents", vocab_size, len(train_docs))
+            _cache.build_cached(tok_dir, lambda tmp: train_bpe([d.text for d in train_docs], vocab_size).save(tmp))
+    _cache.barrier()  # (1) tokenizer visible everywhere
+    tokenizer = Tokenizer.from_dir(tok_dir if tok_dir is not None else tokenizer_path)
+
+    tokens_dir = _cache.cached_path("stdlib_tokens", {
+        "format": _FORMAT, "corpus": corpus_fingerprint(train_docs + val_docs), "tokenizer": tokenizer.sha256,
+        "eod": tokenizer.eod, "train": [d.name for d in train_docs], "val": [d.name for d in val_docs]}, root)
+    if _cache.is_node_builder() and not tokens_dir.is_dir():
+        def build(tmp: Path) -> None:
+            tokenize_to_indexed(tmp / "train", [d.text for d in train_docs], tokenizer)
+            tokenize_to_indexed(tmp / "val", [d.text for d in val_docs], tokenizer)
+        _cache.build_cached(tokens_dir, build)
+    _cache.barrier()  # (2) token files visible everywhere
+
+    # The model's embedding covers the configured vocabulary even if a tiny corpus gave BPE fewer merges.
+    model_vocab = max(tokenizer.vocab_size, vocab_size if tok_dir is not None else 0)
+    info = {"source": "stdlib", "tokenizer": str(tok_dir or tokenizer_path), "tokens": str(tokens_dir),
+            "train_documents": len(train_docs), "val_documents": len(val_docs),
+            "train_chars": sum(len(d.text) for d in train_docs), "val_chars": sum(len(d.text) for d in val_docs)}
+    blend_per_split = [([str(tokens_dir / "train")], None), ([str(tokens_dir / "val")], None), None]
+    return tokenizer, None, blend_per_split, model_vocab, info
+
+
+# --------------------------------------------------------------------------------------------- indexed source
+
+def _prefix_list(key: str, value: Any) -> list[str]:
+    value = _plain(value)
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"data.{key} must be a non-empty list of dataset prefixes, got {value!r}")
+    return [str(v) for v in value]
+
+
+def _blend(key: str, items: list[str]):
+    """megatron blend from a list of prefixes or ["w1", "prefix1", "w2", "prefix2", ...]; checks the files."""
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    prefixes, weights = get_blend_from_list(items)
+    for p in prefixes:
+        if not indexed_exists(p):
+            raise ValueError(f"data.{key}: no indexed dataset at {p!r} (need {p}.bin and {p}.idx)")
+    if weights is not None and any(w <= 0 for w in weights):
+        raise ValueError(f"data.{key}: blend weights must be > 0, got {weights}")
+    return [os.path.abspath(os.path.expanduser(p)) for p in prefixes], weights
+
+
+def _indexed_sources(data_cfg, tokenizer_path) -> tuple[Tokenizer, Any, Any, int, dict]:
+    tok_path = _get(data_cfg, "tokenizer", None) or tokenizer_path
+    if tok_path is None:
+        raise ValueError("data.tokenizer (a directory with tokenizer.json) is required for data.name=indexed")
+    tokenizer = Tokenizer.from_dir(tok_path)
+    blend_list = _get(data_cfg, "blend", None)
+    if blend_list is None:
+        blend_list = _get(data_cfg, "prefixes", None)
+        key = "prefixes"
+    else:
+        key = "blend"
+    blend = _blend(key, _prefix_list(key, blend_list))
+    valid = _get(data_cfg, "valid_prefixes", None)
+    info = {"source": "indexed", "tokenizer": str(tok_path), "prefixes": blend[0]}
+    if valid is not None:  # separate validation data: megatron's blend_per_split
+        return tokenizer, None, [blend, _blend("valid_prefixes", _prefix_list("valid_prefixes", valid)), None], \
+            tokenizer.vocab_size, info
+    return tokenizer, blend, None, tokenizer.vocab_size, info
+
+
+# ---------------------------------------------------------------------------------------------------- prepare
+
+@contextlib.contextmanager
+def _single_process_group(needed: bool):
+    """A throw-away 1-process gloo group while megatron builds a weighted blend outside a distributed run.
+
+    megatron-core 0.16's BlendedDataset calls torch.distributed.get_rank() on a cache miss even when no
+    process group exists (GPTDataset checks is_initialized() first); the trainer always has a group, this
+    covers standalone use. An in-memory HashStore needs no port.
+    """
+    if not needed:
+        yield
+        return
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        tdist.destroy_process_group()
+
+
+def prepare(data_cfg, *, seq_length: int, cache_dir=None, seed: int = 1234, train_samples: int,
+            val_samples: int | None, tokenizer_path=None) -> DataBundle:
+    """Build (or load from cache) the tokenizer and the train/validation GPTDatasets; see module doc.
+
+    `train_samples`/`val_samples` are the minimum numbers of `seq_length` samples each split must supply
+    (megatron repeats the data in shuffled epochs to reach them; ``val_samples=None`` = exactly one epoch of
+    validation). `tokenizer_path` is the checkpoint directory whose tokenizer to use (for data.name=stdlib it
+    replaces the trained BPE; for indexed, data.tokenizer wins when both are set). Call it on every rank.
+    """
+    _check_positive("seq_length", seq_length)
+    _check_positive("train_samples", train_samples)
+    _check_positive("val_samples", val_samples, allow_none=True)
+    name = _get(data_cfg, "name", "stdlib")
+    root = Path(cache_dir).expanduser() if cache_dir is not None else _cache.cache_dir()
+    _check_helpers()
+    if name == "stdlib":
+        tokenizer, blend, blend_per_split, vocab, info = _stdlib_sources(data_cfg, root, tokenizer_path)
+        split = None
+    elif name == "indexed":
+        tokenizer, blend, blend_per_split, vocab, info = _indexed_sources(data_cfg, tokenizer_path)
+        split = str(_get(data_cfg, "split", "98,2,0")) if blend is not None else None
+    else:
+        raise ValueError(f"data.name must be 'stdlib' or 'indexed', got {name!r}")
+
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    index_cache = root / "gpt_index"
+    config = GPTDatasetConfig(
+        random_seed=int(seed),
+        sequence_length=int(seq_length),
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=split,
+        path_to_cache=str(index_cache),
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        # The trainer builds one causal mask for the batch; a [1, s, s] mask per sample is wasted memory.
+        create_attention_mask=False,
+    )
+    weighted = any(b is not None and b[1] is not None for b in ([blend] if blend else blend_per_split or []))
+    if weighted and val_samples is None:  # megatron cannot size a weighted blend without a sample count
+        raise ValueError("val_samples must be set (not None) when data.blend has weights")
+    # No test split is used: size 0 keeps megatron's weighted-blend bookkeeping happy.
+    sizes = [int(train_samples), None if val_samples is None else int(val_samples), 0]
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config)
+    dist = _cache._dist()
+    if dist is not None and dist.get_rank() != 0:
+        train_ds, val_ds, _ = builder.build()
+    else:
+        with _cache.file_lock(index_cache / ".lock"), _single_process_group(weighted and dist is None):
+            train_ds, val_ds, _ = builder.build()
+    if train_ds is None or len(train_ds) < train_samples:
+        raise ValueError(f"training data gives {0 if train_ds is None else len(train_ds)} samples of "
+                         f"seq_length={seq_length}, fewer than train_samples={train_samples}")
+    if val_ds is None or len(val_ds) == 0:
+        raise ValueError(f"validation data gives no sample of seq_length={seq_length}: lower seq_length or "
+                         f"raise data.val_fraction / data.split")
+    info.update(train_samples=len(train_ds), val_samples=len(val_ds), gpt_index=str(index_cache))
+    return DataBundle(tokenizer, train_ds, val_ds, int(vocab), int(seq_length), info)
+
+
+# ---------------------------------------------------------------------------------------------------- batches
+
+def batches(ds, *, micro_batch_size: int, dp_rank: int, dp_size: int, start_sample: int = 0,
+            ) -> Iterator[dict[str, torch.Tensor]]:
+    """Micro-batches of `ds` for data-parallel rank `dp_rank` of `dp_size`, from global sample `start_sample`.
+
+    The global stream is ds[start_sample], ds[start_sample + 1], ... (megatron already shuffled it with the
+    seed). Step t's global batch is the next micro_batch_size * dp_size samples; rank r takes the r-th
+    contiguous slice of micro_batch_size. So resuming after `k` consumed samples is ``start_sample=k``, and
+    every rank yields the same number of batches (the last incomplete global batch is dropped).
+    Each batch: tokens, labels (tokens shifted by one), position_ids [b, s] long and loss_mask [b, s] float.
+    """
+    _check_positive("micro_batch_size", micro_batch_size)
+    _check_positive("dp_size", dp_size)
+    if not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank must be an int in [0, {dp_size}), got {dp_rank!r}")
+    if not isinstance(start_sample, int) or start_sample < 0:
+        raise ValueError(f"start_sample must be an int >= 0, got {start_sample!r}")
+    global_batch = micro_batch_size * dp_size
+    total = len(ds)
+    first = start_sample + dp_rank * micro_batch_size
+    while first - dp_rank * micro_batch_size + global_batch <= total:
+        items = [ds[i] for i in range(first, first + micro_batch_size)]
+        yield {
+            "tokens": torch.stack([it["tokens"] for it in items]).long(),
+            "labels": torch.stack([it["labels"] for it in items]).long(),
+            "loss_mask": torch.stack([it["loss_mask"] for it in items]).float(),
+            "position_ids": torch.stack([it["position_ids"] for it in items]).long(),
+        }
+        first += global_batch
