@@ -1,0 +1,88 @@
+"""Vocabulary-shard bookkeeping for the logit losses under tensor parallelism.
+
+A `Shard` describes this rank's contiguous slice of the vocabulary (Megatron's vocab-parallel output layer gives
+rank r the columns [offset_r, offset_r + local_vocab_r) in rank order) and wraps the few collectives the losses need.
+Without a group every collective is a no-op, so the loss code has one path for TP=1 and TP>1.
+
+All collectives here are plain `torch.distributed` calls made inside an autograd.Function's forward: they carry no
+autograd meaning, which is what keeps the gradient free of a factor of the TP size (the backward of the loss computes
+each rank's slice directly and never communicates).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Shard:
+    group: object | None
+    world: int
+    rank: int
+    offset: int  # global index of this rank's first vocabulary column
+    local_vocab: int
+    vocab: int  # global vocabulary size
+    max_local_vocab: int  # the same on every rank: chunk sizes are derived from it so all ranks agree
+
+    @staticmethod
+    def make(local_vocab: int, tp_group, device: torch.device) -> "Shard":
+        if tp_group is None or dist.get_world_size(tp_group) == 1:
+            return Shard(None, 1, 0, 0, local_vocab, local_vocab, local_vocab)
+        world = dist.get_world_size(tp_group)
+        rank = dist.get_rank(tp_group)
+        sizes = [torch.zeros(1, dtype=torch.long, device=device) for _ in range(world)]
+        dist.all_gather(sizes, torch.tensor([local_vocab], dtype=torch.long, device=device), group=tp_group)
+        sizes = [int(s.item()) for s in sizes]
+        return Shard(tp_group, world, rank, sum(sizes[:rank]), local_vocab, sum(sizes), max(sizes))
+
+    def all_reduce_(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t, op=op, group=self.group)
+        return t
+
+    def any(self, flag: bool, device: torch.device) -> bool:
+        """True on every rank when `flag` is True on any rank (a host sync; used only by the growing Top-P search)."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.long, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item())
+
+    def global_topk(self, raw: torch.Tensor, k: int, temperature: float, cdtype: torch.dtype):
+        """Teacher's global top-k of one chunk: (values/T in cdtype, global indices), sorted descending.
+
+        Each rank takes its local top-min(k, local_vocab); the union (all_gather of values and global indices) holds the
+        global top-k, which a second topk extracts. topk on the raw logits orders exactly like topk on logits/T (T > 0).
+        """
+        lv, li = torch.topk(raw, min(k, self.local_vocab), dim=-1, sorted=True)
+        lv = lv.to(cdtype)
+        if temperature != 1.0:
+            lv = lv / temperature
+        if self.world == 1:
+            return lv, li
+        li = li + self.offset
+        # One all_gather for values and indices: float64 holds both exactly (indices < 2**53).
+        packed = torch.stack([lv.double(), li.double()], dim=-1)
+        width = min(k, self.max_local_vocab)  # all_gather needs equal sizes: pad a smaller shard with -inf values
+        if packed.shape[1] < width:
+            pad = packed.new_zeros(packed.shape[0], width - packed.shape[1], 2)
+            pad[..., 0] = -float("inf")
+            packed = torch.cat([packed, pad], dim=1)
+        packed = packed.contiguous()
+        parts = [torch.empty_like(packed) for _ in range(self.world)]
+        dist.all_gather(parts, packed, group=self.group)
+        union = torch.cat(parts, dim=1)
+        vals, pos = torch.topk(union[..., 0], k, dim=-1, sorted=True)
+        gidx = union[..., 1].gather(1, pos).long()
+        return vals.to(cdtype), gidx
+
+    def local_index(self, gidx: torch.Tensor, keep: torch.Tensor | None = None):
+        """(local column or `local_vocab` (a scratch column) where not owned / not kept, owned mask)."""
+        lidx = gidx - self.offset
+        owned = (lidx >= 0) & (lidx < self.local_vocab)
+        if keep is not None:
+            owned = owned & keep
+        return torch.where(owned, lidx, torch.full_like(lidx, self.local_vocab)), owned

@@ -1,0 +1,91 @@
+"""Divergences between a teacher and a student distribution, with their gradient w.r.t. the student's log-probs.
+
+Two shapes of input:
+- `bucket_divergence`: O(K) buckets per token (the kept set S, plus an optional ghost bucket for the residual mass),
+  given as log-probabilities with a validity mask.
+- `dense_forward_` / `dense_backward_`: the whole (local shard of the) vocabulary of one chunk, computed in place on
+  scratch buffers so that no extra full-vocabulary copies are made.
+
+Conventions: `a` = teacher log-probs, `b` = student log-probs, p = exp(a), q = exp(b).
+  forward_kl  L = sum p (a - b)                      dL/db = -p
+  reverse_kl  L = sum q (b - a)                      dL/db = q (b - a + 1)
+  jsd(beta)   m = log(beta p + (1 - beta) q)
+              L = beta sum p (a - m) + (1 - beta) sum q (b - m)
+              dL/db = (1 - beta) q (b - m)
+The generalized JSD follows the GKD paper's definition (Agarwal et al. 2024, as in TRL's `generalized_jsd_loss`):
+beta weights the teacher in the mixture and in the sum; beta = 0.5 is the symmetric Jensen-Shannon divergence.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
+
+
+def bucket_divergence(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor, divergence: str, beta: float):
+    """Per-token divergence over buckets and dL/db. a, b: [c, B] log-probs; valid: [c, B] bool. Invalid buckets
+    (not kept, or an empty ghost) contribute exactly zero to the loss and to the gradient."""
+    zero = a.new_zeros(())
+    a0 = torch.where(valid, a, zero)
+    b0 = torch.where(valid, b, zero)
+    w = valid.to(a.dtype)
+    if divergence == "forward_kl":
+        p = a0.exp() * w
+        return (p * (a0 - b0)).sum(-1), -p
+    if divergence == "reverse_kl":
+        q = b0.exp() * w
+        d = b0 - a0
+        return (q * d).sum(-1), q * (d + 1.0)
+    p = a0.exp() * w
+    q = b0.exp() * w
+    m = torch.logaddexp(a0 + math.log(beta), b0 + math.log1p(-beta))
+    qbm = q * (b0 - m)
+    loss = beta * (p * (a0 - m)).sum(-1) + (1.0 - beta) * qbm.sum(-1)
+    return loss, (1.0 - beta) * qbm
+
+
+def dense_forward_(xt: torch.Tensor, xs: torch.Tensor, lse_t, lse_s, divergence: str, beta: float):
+    """Local partial sums over the vocabulary of one chunk. xt, xs: [c, V_local] logits/T, DESTROYED.
+
+    Returns [c, 2]: column 0 = partial loss, column 1 = the auxiliary sum the backward needs (jsd: sum q (b - m)).
+    The caller all-reduces it over the TP group.
+    """
+    out = xt.new_zeros(xt.shape[0], 2)
+    a = xt.sub_(lse_t[:, None])  # teacher log-probs, in place
+    b = xs.sub_(lse_s[:, None])  # student log-probs, in place
+    if divergence == "forward_kl":
+        b.neg_().add_(a)  # a - b
+        out[:, 0] = a.exp_().mul_(b).sum(-1)
+    elif divergence == "reverse_kl":
+        a.neg_().add_(b)  # b - a
+        out[:, 0] = b.exp_().mul_(a).sum(-1)
+    else:
+        m = torch.logaddexp(a + math.log(beta), b + math.log1p(-beta))
+        t = a - m
+        out[:, 0] = beta * t.mul_(a.exp_()).sum(-1)
+        torch.sub(b, m, out=t)
+        kqm = t.mul_(b.exp_()).sum(-1)
+        out[:, 0] += (1.0 - beta) * kqm
+        out[:, 1] = kqm
+    return out
+
+
+def dense_backward_(xt: torch.Tensor, xs: torch.Tensor, lse_t, lse_s, loss, aux, divergence: str, beta: float):
+    """dL/d(logits/T) of one chunk, written into xs (returned). xt, xs: [c, V_local] logits/T, DESTROYED.
+
+    With dL/ds_i = g_i - q_i sum_j g_j (softmax chain rule) the sums have closed forms:
+      forward_kl: q - p;   reverse_kl: q (b - a - L);   jsd: (1 - beta) q (b - m - sum q (b - m)).
+    """
+    a = xt.sub_(lse_t[:, None])
+    b = xs.sub_(lse_s[:, None])
+    if divergence == "forward_kl":
+        return b.exp_().sub_(a.exp_())
+    if divergence == "reverse_kl":
+        a.neg_().add_(b).sub_(loss[:, None])  # b - a - L
+        return b.exp_().mul_(a)
+    m = torch.logaddexp(a + math.log(beta), b + math.log1p(-beta))
+    m.neg_().add_(b).sub_(aux[:, None])  # b - m - K
+    return b.exp_().mul_(m).mul_(1.0 - beta)

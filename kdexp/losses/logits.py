@@ -1,0 +1,393 @@
+"""Logit distillation loss: dense, Top-K, Top-P (with a min-K floor), ghost token, temperature, forward/reverse KL, JSD.
+
+`logits_kd_loss` is the one entry point. Per token, with s = student_logits / T and t = teacher_logits / T:
+  - log-probs are normalised over the FULL vocabulary (log p = t - logsumexp(t)), also under tensor parallelism;
+  - the kept set S is the teacher's global top-K (the whole vocabulary when top_k is None), sorted by teacher
+    probability, then cut to the nucleus prefix where cumsum(p) - p < top_p (always at least min_k entries);
+  - normalization="full": the divergence runs over S, plus (ghost_token=True) one bucket holding each distribution's
+    residual mass 1 - sum_S p, so that the K+1 buckets form proper distributions;
+    normalization="renormalize": both distributions are re-normalised over S alone (ModelOpt's pre-upgrade Top-K
+    behaviour), which cannot be combined with a ghost bucket.
+
+Residual mass: the brief suggests log(-expm1(logsumexp(kept log-probs))). We compute the residual more directly: the
+log-sum-exp of the logits OUTSIDE S (kept entries masked to -inf in a scratch chunk) minus the full log-sum-exp, both
+sums of positive terms. That has the same value, stays accurate to relative precision when the kept mass is within
+1e-7 (or 1e-30) of 1, where the expm1 form loses all digits in float32 (its input is the log of a sum that already
+rounded to 1), keeps a nonzero gradient there, and is exactly -inf (a zero ghost bucket, dropped) when S is the whole
+vocabulary. The full log-sum-exp is assembled from the same two parts, so one pass over the vocabulary per
+distribution computes both.
+
+Memory: a custom autograd.Function computes everything chunk by chunk over tokens in float32 (float64 for float64
+inputs) and saves only the inputs plus O(K) values per token; backward recomputes the student softmax per chunk. The
+gradient w.r.t. logits/T of the full-normalization loss is, with g = dL/d(kept student log-probs), h = dL/d(student
+log-residual), G = sum g + h, q the student softmax, r the student residual:
+  i in S:      g_i - q_i G
+  i not in S:  exp(s_i - logsumexp_{not S} s) * (h - G r)        (the first factor is <= 1: no overflow)
+Under TP each rank computes its own vocabulary slice of exactly that, with no communication in backward, so the
+gradient has no factor of the TP size (as in Megatron's vocab-parallel cross-entropy).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from kdexp.losses._shard import Shard
+from kdexp.losses.divergence import DIVERGENCES, bucket_divergence, dense_backward_, dense_forward_
+
+NORMALIZATIONS = ("full", "renormalize")
+# Top-P without a Top-K bound starts from this many candidates and grows x4 until the nucleus fits.
+TOP_P_INITIAL_K = 1024
+_MiB = 1 << 20
+
+
+class KDStats(NamedTuple):
+    """Per-token diagnostics (shape of the loss, no gradient). ghost_mass = teacher residual 1 - kept mass, computed
+    directly (accurate even when it is tiny)."""
+
+    teacher_kept_mass: torch.Tensor
+    student_kept_mass: torch.Tensor
+    nucleus_size: torch.Tensor
+    ghost_mass: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Cfg:
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    min_k: int
+    ghost: bool
+    renormalize: bool
+    divergence: str
+    beta: float
+    loss_scale: float
+    chunk_tokens: int | None
+
+
+def _check_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+
+
+def _validate(student, teacher, temperature, top_k, top_p, min_k, ghost_token, normalization, divergence, beta):
+    if not isinstance(student, torch.Tensor) or not isinstance(teacher, torch.Tensor):
+        raise ValueError("student_logits and teacher_logits must be tensors")
+    if student.dim() < 1:
+        raise ValueError("student_logits must have a vocabulary dimension (got a 0-d tensor)")
+    if student.shape[-1] != teacher.shape[-1]:
+        raise ValueError(
+            f"student/teacher vocabulary mismatch: student_logits has vocabulary size {student.shape[-1]}, "
+            f"teacher_logits has {teacher.shape[-1]} (shapes {tuple(student.shape)} vs {tuple(teacher.shape)})"
+        )
+    if student.shape != teacher.shape:
+        raise ValueError(
+            f"student/teacher shape mismatch: student_logits {tuple(student.shape)} vs teacher_logits "
+            f"{tuple(teacher.shape)}"
+        )
+    if not (student.is_floating_point() and teacher.is_floating_point()):
+        raise ValueError(f"logits must be floating point, got {student.dtype} and {teacher.dtype}")
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    if not math.isfinite(temperature):
+        raise ValueError(f"temperature must be finite, got {temperature!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
+    if top_k is not None:
+        _check_int("top_k", top_k)
+        if top_k < 1:
+            raise ValueError(f"top_k must be in [1, vocabulary size] or None, got {top_k}")
+    _check_int("min_k", min_k)
+    if min_k < 1:
+        raise ValueError(f"min_k must be >= 1 (and <= top_k), got {min_k}")
+    if top_k is not None and min_k > top_k:
+        raise ValueError(f"min_k must be in [1, top_k={top_k}], got {min_k}")
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    if normalization == "renormalize" and ghost_token:
+        raise ValueError(
+            "ghost_token=True cannot be combined with normalization='renormalize' (the re-normalised kept set has "
+            "no residual mass); pass ghost_token=False or normalization='full'"
+        )
+    if divergence == "jsd" and not (isinstance(beta, (int, float)) and 0 < beta < 1):
+        raise ValueError(f"beta must be in (0, 1) for divergence='jsd', got {beta!r}")
+
+
+def logits_kd_loss(
+    student_logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_k: int = 1,
+    ghost_token: bool = True,
+    normalization: str = "full",
+    divergence: str = "forward_kl",
+    tp_group=None,
+    return_stats: bool = False,
+    beta: float = 0.5,
+    scale_by_temperature_squared: bool = False,
+    chunk_tokens: int | None = None,
+):
+    """Per-token distillation loss, shape `student_logits.shape[:-1]`, float32 (float64 for float64 inputs).
+
+    student_logits / teacher_logits: [..., V] (under `tp_group`: this rank's contiguous vocabulary shard, rank
+    order, as Megatron's vocab-parallel output layer gives it; the loss is then the unsharded value on every rank and
+    each rank's gradient is its slice of the unsharded gradient). Gradient flows to student_logits only.
+    top_k: teacher's global top-K candidates (None = whole vocabulary). top_p: nucleus cut in (0, 1] over the sorted
+    candidates (1.0 = no cut); with top_k=None it is a true nucleus over the whole vocabulary. min_k: entries always
+    kept. ghost_token: add the residual-mass bucket (normalization="full" only). divergence: "forward_kl" (KL(P_t||P_s)),
+    "reverse_kl" (KL(P_s||P_t)) or "jsd" (generalized, weight `beta` on the teacher). scale_by_temperature_squared:
+    multiply by T^2 (Hinton et al.); off by default. chunk_tokens: tokens per chunk (default: a working set of at
+    most ~1/16 of one fp32 [tokens, vocab] tensor, between 4 and 64 MiB). return_stats=True returns (loss, KDStats).
+    """
+    _validate(student_logits, teacher_logits, temperature, top_k, top_p, min_k, ghost_token, normalization,
+              divergence, beta)
+    if chunk_tokens is not None:
+        _check_int("chunk_tokens", chunk_tokens)
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1 or None, got {chunk_tokens}")
+    local_vocab = student_logits.shape[-1]
+    shard = Shard.make(local_vocab, tp_group, student_logits.device)
+    if top_k is not None and top_k > shard.vocab:
+        raise ValueError(f"top_k must be in [1, vocabulary size={shard.vocab}], got {top_k}")
+    if min_k > shard.vocab:
+        raise ValueError(f"min_k must be in [1, vocabulary size={shard.vocab}], got {min_k}")
+    if top_p is not None and float(top_p) == 1.0:
+        top_p = None  # cumsum(p) - p < 1 keeps everything in exact arithmetic; float rounding must not drop the tail
+    if top_p is None:
+        min_k = 1  # the floor only matters for a nucleus cut
+    cfg = _Cfg(
+        temperature=float(temperature), top_k=top_k, top_p=None if top_p is None else float(top_p), min_k=min_k,
+        ghost=bool(ghost_token) and normalization == "full", renormalize=normalization == "renormalize",
+        divergence=divergence, beta=float(beta),
+        loss_scale=float(temperature) ** 2 if scale_by_temperature_squared else 1.0, chunk_tokens=chunk_tokens,
+    )
+    lead = student_logits.shape[:-1]
+    stats: dict | None = {} if return_stats else None
+    loss = _LogitsKD.apply(
+        student_logits.reshape(-1, local_vocab), teacher_logits.detach().reshape(-1, local_vocab), cfg, shard, stats
+    ).view(lead)
+    if not return_stats:
+        return loss
+    return loss, KDStats(*(stats[name].view(lead) for name in KDStats._fields))
+
+
+def _compute_dtype(student: torch.Tensor) -> torch.dtype:
+    return torch.float64 if student.dtype == torch.float64 else torch.float32
+
+
+def _chunk_rows(n: int, shard: Shard, cdtype: torch.dtype, chunk_tokens: int | None) -> int:
+    if chunk_tokens is not None:
+        return max(1, min(n, chunk_tokens))
+    row = (shard.max_local_vocab + 1) * torch.finfo(cdtype).bits // 8
+    budget = min(64 * _MiB, max(4 * _MiB, n * row // 16))
+    return max(1, min(n, budget // row))
+
+
+def _load_(buf: torch.Tensor, raw: torch.Tensor, temperature: float) -> torch.Tensor:
+    """buf[:, :V] = raw / T in the compute dtype; the extra last column is a scratch slot at -inf."""
+    v = raw.shape[1]
+    buf[:, :v].copy_(raw)
+    if temperature != 1.0:
+        buf[:, :v].div_(temperature)
+    buf[:, v] = -math.inf
+    return buf
+
+
+def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+
+
+def _masked_lse_(buf: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """log-sum-exp over the global vocabulary of the (already masked) scratch chunk; destroys buf. -inf if empty."""
+    m = buf.amax(1)
+    shard.all_reduce_(m, dist.ReduceOp.MAX)
+    m = _finite_or_zero(m)  # all-masked rows: exp(-inf - 0) = 0 -> log(0) = -inf, no NaN
+    s = buf.sub_(m[:, None]).exp_().sum(1)
+    shard.all_reduce_(s)
+    return s.log() + m
+
+
+class _LogitsKD(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, student, teacher, cfg: _Cfg, shard: Shard, stats):
+        n, vl = student.shape
+        cd = _compute_dtype(student)
+        rows = _chunk_rows(n, shard, cd, cfg.chunk_tokens)
+        dense = cfg.top_k is None and cfg.top_p is None
+        loss = torch.empty(n, dtype=cd, device=student.device)
+        st = {f: torch.empty(n, dtype=cd, device=student.device) for f in KDStats._fields} if stats is not None else None
+        ctx.cfg, ctx.shard, ctx.rows, ctx.dense, ctx.cd = cfg, shard, rows, dense, cd
+        if dense:
+            lse = torch.empty(2, n, dtype=cd, device=student.device)
+            aux = torch.empty(n, dtype=cd, device=student.device)
+            bt = torch.empty(rows, vl, dtype=cd, device=student.device)
+            bs = torch.empty_like(bt)
+            for r0 in range(0, n, rows):
+                r = slice(r0, min(n, r0 + rows))
+                c = r.stop - r.start
+                xt = bt[:c].copy_(teacher[r])
+                xs = bs[:c].copy_(student[r])
+                if cfg.temperature != 1.0:
+                    xt.div_(cfg.temperature)
+                    xs.div_(cfg.temperature)
+                lse[:, r] = _dense_lse(xt, xs, shard)
+                part = shard.all_reduce_(dense_forward_(xt, xs, lse[0, r], lse[1, r], cfg.divergence, cfg.beta))
+                loss[r], aux[r] = part[:, 0], part[:, 1]
+            ctx.save_for_backward(student, teacher)
+            ctx.lse, ctx.aux, ctx.raw_loss = lse, aux, loss.clone()
+            if st is not None:
+                st["teacher_kept_mass"].fill_(1.0)
+                st["student_kept_mass"].fill_(1.0)
+                st["nucleus_size"].fill_(shard.vocab)
+                st["ghost_mass"].zero_()
+        else:
+            buf = torch.empty(rows, vl + 1, dtype=cd, device=student.device)
+            chunks = []
+            for r0 in range(0, n, rows):
+                r = slice(r0, min(n, r0 + rows))
+                out = _sparse_forward_chunk(student[r], teacher[r], buf[: r.stop - r.start], cfg, shard, cd)
+                loss[r] = out["loss"]
+                chunks.append((r, out["gidx"], out["keep"], out["cand_grad"], out["coef"], out["lns"]))
+                if st is not None:
+                    for f in KDStats._fields:
+                        st[f][r] = out[f]
+            ctx.save_for_backward(student)
+            ctx.chunks = chunks
+        if st is not None:
+            stats.update({f: (v.long() if f == "nucleus_size" else v) for f, v in st.items()})
+        if cfg.loss_scale != 1.0:
+            loss.mul_(cfg.loss_scale)
+        return loss if cd == torch.float64 else loss.float()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        cfg, shard, rows, cd = ctx.cfg, ctx.shard, ctx.rows, ctx.cd
+        student = ctx.saved_tensors[0]
+        n, vl = student.shape
+        grad = torch.empty_like(student, memory_format=torch.contiguous_format)
+        scale = grad_out.reshape(-1).to(cd) * (cfg.loss_scale / cfg.temperature)
+        if ctx.dense:
+            teacher = ctx.saved_tensors[1]
+            bt = torch.empty(rows, vl, dtype=cd, device=student.device)
+            bs = torch.empty_like(bt)
+            for r0 in range(0, n, rows):
+                r = slice(r0, min(n, r0 + rows))
+                c = r.stop - r.start
+                xt, xs = bt[:c].copy_(teacher[r]), bs[:c].copy_(student[r])
+                if cfg.temperature != 1.0:
+                    xt.div_(cfg.temperature)
+                    xs.div_(cfg.temperature)
+                g = dense_backward_(xt, xs, ctx.lse[0, r], ctx.lse[1, r], ctx.raw_loss[r], ctx.aux[r],
+                                    cfg.divergence, cfg.beta)
+                grad[r].copy_(g.mul_(scale[r, None]))
+        else:
+            buf = None
+            for r, gidx, keep, cand_grad, coef, lns in ctx.chunks:
+                c = r.stop - r.start
+                lidx, _ = shard.local_index(gidx, keep)
+                if coef is None:  # renormalize: the loss depends on the kept logits only
+                    x = torch.zeros(c, vl + 1, dtype=cd, device=student.device)
+                else:
+                    if buf is None:
+                        buf = torch.empty(rows, vl + 1, dtype=cd, device=student.device)
+                    x = _load_(buf[:c], student[r], cfg.temperature)
+                    x.scatter_(1, lidx, -math.inf)
+                    x.sub_(_finite_or_zero(lns)[:, None]).exp_().mul_(coef[:, None])
+                x.scatter_(1, lidx, cand_grad)  # entries not owned / not kept land in the scratch column
+                grad[r].copy_(x[:, :vl].mul_(scale[r, None]))
+        return grad, None, None, None, None
+
+
+def _dense_lse(xt: torch.Tensor, xs: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """[2, c] global log-sum-exp of a teacher and a student chunk (not modified), one MAX and one SUM collective."""
+    m = torch.stack([xt.amax(1), xs.amax(1)])
+    shard.all_reduce_(m, dist.ReduceOp.MAX)
+    tmp = torch.sub(xt, m[0, :, None])
+    s0 = tmp.exp_().sum(1)
+    s1 = torch.sub(xs, m[1, :, None], out=tmp).exp_().sum(1)
+    s = shard.all_reduce_(torch.stack([s0, s1]))
+    return s.log() + m
+
+
+def _sparse_forward_chunk(student, teacher, buf, cfg: _Cfg, shard: Shard, cd):
+    """One chunk of the Top-K / Top-P loss. Returns the loss, stats and the O(K) values the backward needs."""
+    c, vl = student.shape
+    neg_inf = torch.tensor(-math.inf, dtype=cd, device=student.device)
+    growing = cfg.top_k is None  # Top-P over the whole vocabulary: grow the candidate set until the nucleus fits
+    k = cfg.top_k if cfg.top_k is not None else min(shard.vocab, max(cfg.min_k, TOP_P_INITIAL_K))
+    while True:
+        vals, gidx = shard.global_topk(teacher, k, cfg.temperature, cd)
+        lidx, _ = shard.local_index(gidx)
+        xt = _load_(buf, teacher, cfg.temperature).scatter_(1, lidx, -math.inf)
+        lc_t = _masked_lse_(xt, shard)  # teacher log-sum-exp over the non-candidates
+        lse_t = torch.logsumexp(torch.cat([lc_t[:, None], vals], 1), 1)
+        a = vals - lse_t[:, None]
+        if cfg.top_p is None:
+            keep = torch.ones_like(a, dtype=torch.bool)
+            break
+        p = a.double().exp()  # float64 cumsum: the cut must not depend on rounding over thousands of terms
+        cum = p.cumsum(1)
+        keep = (cum - p < cfg.top_p) | (torch.arange(k, device=a.device) < cfg.min_k)
+        if not growing or k >= shard.vocab:
+            break
+        # The next candidate would be kept iff the mass of all k is still < top_p (small margin for rounding).
+        if not shard.any(bool((cum[:, -1] < cfg.top_p + 1e-6).any()), a.device):
+            break
+        k = min(shard.vocab, 4 * k)
+    # Teacher residual: non-candidates plus candidates outside the nucleus.
+    lr_t = torch.logsumexp(torch.cat([lc_t[:, None], torch.where(keep, neg_inf, vals)], 1), 1) - lse_t
+    if growing:  # keep is a prefix: drop the columns no token keeps (the candidate set may be far wider)
+        kk = int(keep.sum(1).max())
+        vals, gidx, a, keep = vals[:, :kk], gidx[:, :kk], a[:, :kk], keep[:, :kk]
+
+    # Student: kept log-probs gathered from the owning ranks, and the log-sum-exp outside S.
+    lidx, owned = shard.local_index(gidx, keep)
+    sv = student.gather(1, lidx.clamp_max(vl - 1)).to(cd)
+    if cfg.temperature != 1.0:
+        sv = sv / cfg.temperature
+    sv = torch.where(owned, sv, torch.zeros_like(sv))
+    xs = _load_(buf, student, cfg.temperature).scatter_(1, lidx, -math.inf)
+    m = xs.amax(1)
+    shard.all_reduce_(m, dist.ReduceOp.MAX)
+    m = _finite_or_zero(m)
+    packed = torch.cat([xs.sub_(m[:, None]).exp_().sum(1, keepdim=True), sv], 1)
+    shard.all_reduce_(packed)  # one SUM: the outside sum and the kept values (each owned by exactly one rank)
+    lns = packed[:, 0].log() + m  # student log-sum-exp over V \ S
+    sv = torch.where(keep, packed[:, 1:], neg_inf)
+    lse_s = torch.logsumexp(torch.cat([lns[:, None], sv], 1), 1)
+    b = sv - lse_s[:, None]
+    lr_s = lns - lse_s
+    a_kept = torch.where(keep, a, neg_inf)
+
+    if cfg.renormalize:
+        a_r = a_kept - torch.logsumexp(a_kept, 1, keepdim=True)
+        b_r = b - torch.logsumexp(b, 1, keepdim=True)
+        loss, g = bucket_divergence(a_r, b_r, keep, cfg.divergence, cfg.beta)
+        cand_grad = g - b_r.exp() * g.sum(1, keepdim=True)
+        coef = None
+    else:
+        if cfg.ghost:
+            ghost_ok = torch.isfinite(lr_t)[:, None]  # -inf: S is the whole vocabulary, no residual bucket
+            loss, g = bucket_divergence(torch.cat([a_kept, lr_t[:, None]], 1), torch.cat([b, lr_s[:, None]], 1),
+                                        torch.cat([keep, ghost_ok], 1), cfg.divergence, cfg.beta)
+            g, h = g[:, :-1], g[:, -1]
+        else:
+            loss, g = bucket_divergence(a_kept, b, keep, cfg.divergence, cfg.beta)
+            h = torch.zeros_like(loss)
+        gsum = g.sum(1) + h
+        cand_grad = g - b.exp() * gsum[:, None]
+        coef = h - gsum * lr_s.exp()
+    return {
+        "loss": loss, "gidx": gidx, "keep": keep, "cand_grad": cand_grad, "coef": coef, "lns": lns,
+        "teacher_kept_mass": torch.logsumexp(a_kept, 1).exp(), "student_kept_mass": torch.logsumexp(b, 1).exp(),
+        "nucleus_size": keep.sum(1).to(cd), "ghost_mass": lr_t.exp(),
+    }
