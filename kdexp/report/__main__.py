@@ -1,0 +1,71 @@
+"""python -m kdexp.report: a sweep (or run) dir, or a W&B group, -> report.md + index.html + PNG plots."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+USAGE_EXAMPLES = """examples:
+  python -m kdexp.report multirun/2026-12-02/17-34-40-ab12cd          -> <sweep>/report/
+  python -m kdexp.report outputs/2026-12-02/17-40-01-cd34ef --out /tmp/r   (a single run)
+  python -m kdexp.report --wandb-group 2026-12-02_17-34-40-ab12cd --wandb-project kdexp --out report/
+"""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m kdexp.report", epilog=USAGE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Turn a kdexp sweep (or one run) into an ablation report: a table of every point (swept values, "
+                    "final metrics, status and errors), the best point per metric, the arms side by side, loss "
+                    "curves and each metric against each swept parameter.")
+    p.add_argument("sweep_dir", nargs="?", metavar="SWEEP_DIR",
+                   help="a Hydra sweep dir (points are found recursively) or a run dir")
+    p.add_argument("--out", metavar="DIR", help="output dir (default: SWEEP_DIR/report)")
+    p.add_argument("--wandb-group", metavar="GROUP",
+                   help="read the points from this W&B group instead of run dirs (needs W&B online access)")
+    p.add_argument("--wandb-project", metavar="P", default="kdexp", help="W&B project (default: kdexp)")
+    p.add_argument("--wandb-entity", metavar="E", default=None, help="W&B entity (default: your default entity)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.wandb_group is None and args.sweep_dir is None:
+        ap.error("give SWEEP_DIR or --wandb-group GROUP")
+    if args.out is None and args.sweep_dir is None:
+        ap.error("--wandb-group needs --out DIR or SWEEP_DIR (the report goes to SWEEP_DIR/report)")
+    from kdexp.report.document import write_report
+    from kdexp.report.tables import best_lines, best_points, summary_line
+
+    try:
+        if args.wandb_group is not None:
+            from kdexp.report.wandb_source import load_wandb_group
+
+            sweep = load_wandb_group(args.wandb_group, project=args.wandb_project, entity=args.wandb_entity)
+        else:
+            from kdexp.report.load import load_sweep
+
+            sweep = load_sweep(args.sweep_dir)
+    except ValueError as exc:
+        print(f"kdexp.report: {exc}", file=sys.stderr)
+        return 2
+    if not sweep.points:
+        print(f"kdexp.report: no runs found in {sweep.source} (no .hydra/, metrics.jsonl, summary.json or "
+              "point.json below it)", file=sys.stderr)
+        return 1
+    out = Path(args.out) if args.out else Path(args.sweep_dir) / "report"
+    files = write_report(sweep, out)
+    print(summary_line(sweep))
+    for line in best_lines(best_points(sweep)):
+        print("best " + line)
+    for p in sweep.points:
+        if p.status == "failed":
+            print(f"failed {p.name}: {p.error}")
+    print(f"report: {files.markdown}\nhtml:   {files.html}\nplots:  {len(files.plots)} PNG in {files.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

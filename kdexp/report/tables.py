@@ -1,0 +1,210 @@
+"""Tables of a sweep (every point; the arms side by side), the best point per metric, and their Markdown/HTML.
+
+A ``Table`` keeps the raw values (what tests and notebooks compute with) next to the text shown, so the Markdown
+file, the HTML page and the notebook print the same numbers.
+"""
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from kdexp.report.load import _MISSING, Point, Sweep, _short, config_differences, iter_values, parse_scalar
+
+# The per-point table's metric columns, in order.
+TABLE_METRICS = ("val/lm_loss", "val/kl_to_teacher", "val/top1_agreement", "train/kept_mass", "perf/tokens_per_s")
+# Which way is better. train/kept_mass is left out on purpose: it describes the loss setting (a larger Top-K keeps
+# more teacher mass), it is not something to maximise.
+GOALS = {"val/lm_loss": "min", "val/kl_to_teacher": "min", "val/top1_agreement": "max", "perf/tokens_per_s": "max",
+         "train/loss": "min", "train/lm_loss": "min", "train/kd_loss": "min"}
+BEST_METRICS = ("val/lm_loss", "val/kl_to_teacher", "val/top1_agreement", "perf/tokens_per_s")
+
+
+def goal(metric: str) -> Optional[str]:
+    """'min', 'max' or None (no better direction)."""
+    if metric in GOALS:
+        return GOALS[metric]
+    name = metric.lower()
+    if "loss" in name or "kl" in name:
+        return "min"
+    if "agreement" in name or "tokens_per_s" in name or "accuracy" in name:
+        return "max"
+    return None
+
+
+def fmt(value: Any) -> str:
+    """Numbers the same everywhere: ints as is, |x| >= 100 with one decimal, else four."""
+    if value is None or value is _MISSING:
+        return "—"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    if not math.isfinite(value):
+        return str(value)
+    return f"{value:.1f}" if abs(value) >= 100 else f"{value:.4f}"
+
+
+@dataclass
+class Table:
+    columns: list[str]
+    rows: list[list[Any]]  # raw values
+    text: list[list[str]]  # what is shown, same shape as rows
+    bold: set[tuple[int, int]] = field(default_factory=set)  # (row, column) of the best values
+    title: str = ""
+
+    def column(self, name: str) -> list[Any]:
+        i = self.columns.index(name)
+        return [r[i] for r in self.rows]
+
+    def records(self) -> list[dict[str, Any]]:
+        return [dict(zip(self.columns, r)) for r in self.rows]
+
+
+@dataclass
+class Best:
+    metric: str
+    goal: str
+    point: Point
+    value: float
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+def best_points(sweep: Sweep, metrics: tuple[str, ...] = BEST_METRICS) -> dict[str, Best]:
+    """The best finished point per metric (min for losses/KL, max for agreement/throughput); first point on ties."""
+    out = {}
+    for metric in metrics:
+        direction = goal(metric)
+        values = list(iter_values(sweep.finished, metric))
+        if direction is None or not values:
+            continue
+        pick = min if direction == "min" else max
+        point, value = pick(values, key=lambda pv: pv[1])
+        out[metric] = Best(metric, direction, point, value)
+    return out
+
+
+def best_lines(best: dict[str, Best]) -> list[str]:
+    word = {"min": "lowest", "max": "highest"}
+    return [f"{b.metric} ({word[b.goal]} is best): {fmt(b.value)} at {b.point.name}"
+            + (f" ({b.point.label})" if b.point.label != b.point.name else "") for b in best.values()]
+
+
+def swept_text(point: Point, key: str) -> str:
+    """The swept value as typed, with the resolved value when it reads differently ('1e-3' stays; '${x}' shows
+    what it resolved to; a point that did not set the key shows its default)."""
+    raw = point.overrides.get(key, _MISSING)
+    resolved = point.params.get(key)
+    if raw is _MISSING:
+        return f"{fmt(resolved)} (default)" if resolved is not None else "—"
+    if raw is None:
+        return "(deleted)"
+    return raw if parse_scalar(raw) == resolved else f"{raw} (= {_short(resolved)})"
+
+
+def _status_text(p: Point, metrics: tuple[str, ...]) -> str:
+    if p.status == "finished" and p.reused_from:
+        return "finished (reused)"
+    if p.status != "finished" and p.final_partial and any(p.final.get(m) is not None for m in metrics):
+        return f"{p.status} (last logged values)"
+    return p.status
+
+
+def points_table(sweep: Sweep, metrics: tuple[str, ...] = TABLE_METRICS) -> Table:
+    """One row per point: name, swept values, final metrics, steps, status, error (one line)."""
+    columns = ["point", *sweep.swept, *metrics, "steps", "status", "error"]
+    rows, text = [], []
+    for p in sweep.points:
+        values = [p.final.get(m) for m in metrics]
+        rows.append([p.name, *[p.params.get(k) for k in sweep.swept], *values, p.steps, p.status, p.error])
+        err = (p.error or "")
+        text.append([p.name, *[swept_text(p, k) for k in sweep.swept], *[fmt(v) for v in values], fmt(p.steps),
+                     _status_text(p, metrics), err if len(err) <= 160 else err[:157] + "..."])
+    table = Table(columns, rows, text, title="Points")
+    best = best_points(sweep, metrics)
+    for metric, b in best.items():
+        table.bold.add((sweep.points.index(b.point), columns.index(metric)))
+    return table
+
+
+def _mean(values: list[float]) -> Optional[float]:
+    return sum(values) / len(values) if values else None
+
+
+def arms_table(sweep: Sweep, metrics: tuple[str, ...] = TABLE_METRICS) -> Optional[Table]:
+    """The arms side by side: one column per arm; rows = points, the config keys the arms set differently, then each
+    metric averaged over the arm's finished points with its change against the first arm. None without arms."""
+    arms = sweep.arms
+    if not arms:
+        return None
+    members = {a: [p for p in sweep.points if p.arm == a] for a in arms}
+    columns = [sweep.arm_key or "arm", *arms]
+    rows: list[list[Any]] = [["points", *[len(members[a]) for a in arms]],
+                             ["finished", *[sum(p.status == "finished" for p in members[a]) for a in arms]]]
+    text = [[r[0], *[str(v) for v in r[1:]]] for r in rows]
+    # What the arm changes: config keys that differ between arms, read from each arm's first point with a config.
+    reps = [next((p for p in members[a] if p.config), None) for a in arms]
+    if all(r is not None for r in reps) and len(reps) > 1:
+        for key, values in config_differences(reps, exclude=(sweep.arm_key or "",)).items():
+            rows.append([key, *values])
+            text.append([key, *[fmt(v) for v in values]])
+    bold = set()
+    for metric in metrics:
+        means = [_mean([v for _, v in iter_values([p for p in members[a] if p.status == "finished"], metric)])
+                 for a in arms]
+        if all(m is None for m in means):
+            continue
+        ref = means[0]
+        cells = []
+        for i, m in enumerate(means):
+            cell = fmt(m)
+            if i > 0 and m is not None and ref not in (None, 0):
+                cell += f" ({100.0 * (m - ref) / abs(ref):+.1f}%)"
+            cells.append(cell)
+        direction = goal(metric)
+        present = [(i, m) for i, m in enumerate(means) if m is not None]
+        if direction and len(present) > 1:
+            pick = min if direction == "min" else max
+            bold.add((len(rows), 1 + pick(present, key=lambda im: im[1])[0]))
+        rows.append([metric, *means])
+        text.append([metric, *cells])
+    n = max(len(m) for m in members.values())
+    title = "Arms" + (" (metrics: mean over each arm's finished points)" if n > 1 else "")
+    return Table(columns, rows, text, bold, title=title)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+def to_markdown(table: Table) -> str:
+    def cell(t: str, bold: bool) -> str:
+        t = t.replace("|", "\\|").replace("\n", " ")
+        return f"**{t}**" if bold and t not in ("", "—") else t
+
+    lines = ["| " + " | ".join(c.replace("|", "\\|") for c in table.columns) + " |",
+             "| " + " | ".join("---" for _ in table.columns) + " |"]
+    for i, row in enumerate(table.text):
+        lines.append("| " + " | ".join(cell(t, (i, j) in table.bold) for j, t in enumerate(row)) + " |")
+    return "\n".join(lines)
+
+
+def to_html(table: Table, css_class: str = "kdexp") -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in table.columns)
+    body = []
+    for i, row in enumerate(table.text):
+        cells = []
+        for j, t in enumerate(row):
+            t = html.escape(t)
+            cells.append(f"<td><b>{t}</b></td>" if (i, j) in table.bold else f"<td>{t}</td>")
+        status = table.rows[i][table.columns.index("status")] if "status" in table.columns else ""
+        body.append(f'<tr class="{html.escape(str(status))}">' + "".join(cells) + "</tr>")
+    return f'<table class="{css_class}"><thead><tr>{head}</tr></thead><tbody>' + "".join(body) + "</tbody></table>"
+
+
+def summary_line(sweep: Sweep) -> str:
+    c = sweep.counts()
+    parts = [f"{c[s]} {s}" for s in ("finished", "failed", "running", "pending") if c[s]]
+    return f"{len(sweep.points)} point{'s' if len(sweep.points) != 1 else ''}: " + ", ".join(parts)
+
+
+__all__ = ["TABLE_METRICS", "GOALS", "BEST_METRICS", "Table", "Best", "goal", "fmt", "best_points", "best_lines",
+           "points_table", "arms_table", "to_markdown", "to_html", "summary_line", "swept_text"]

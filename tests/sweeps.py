@@ -1,0 +1,74 @@
+"""Sweeps for the report and notebook tests: hand-made run dirs with known numbers, and one real tiny sweep.
+
+``write_run_dir`` writes what the trainer, Hydra and the sweep callback write (.hydra/, metrics.jsonl, summary.json,
+point.json, error.log) with numbers chosen by the test. ``run_tiny_sweep`` runs ``python -m kdexp.run -m`` for real.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write_run_dir(run_dir: Path, *, overrides: list[str], config: dict, choices: Optional[dict] = None,
+                  num: Optional[int] = None, train: Optional[list[dict]] = None, val: Optional[list[dict]] = None,
+                  final: Optional[dict] = None, steps: Optional[int] = None, error: Optional[str] = None,
+                  traceback: Optional[str] = None, point_status: Optional[str] = None,
+                  reused_from: Optional[str] = None) -> Path:
+    """A run dir. ``final`` given = finished (summary.json); ``error`` given = failed (point.json + error.log)."""
+    run_dir = Path(run_dir)
+    (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    (run_dir / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    hydra: dict[str, Any] = {"hydra": {"mode": "MULTIRUN" if num is not None else "RUN",
+                                       "job": {"name": "run", **({"num": num} if num is not None else {})},
+                                       "overrides": {"task": overrides},
+                                       "runtime": {"choices": {"hydra/launcher": "basic", **(choices or {})}}}}
+    (run_dir / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump(hydra))
+    lines = [{"step": r["step"], "kind": "train", **{k: v for k, v in r.items() if k != "step"}} for r in train or []]
+    lines += [{"step": r["step"], "kind": "val", **{k: v for k, v in r.items() if k != "step"}} for r in val or []]
+    if lines:
+        with (run_dir / "metrics.jsonl").open("w") as f:
+            for rec in sorted(lines, key=lambda r: (r["step"], r["kind"] == "val")):
+                f.write(json.dumps(rec) + "\n")
+    point = {"num": num, "overrides": overrides, "run_dir": str(run_dir.resolve()), "metrics": {}, "error": None,
+             "status": point_status or "running"}
+    if final is not None:
+        summary = {"status": "finished", "config_hash": f"h{num}", "overrides": overrides, "steps": steps,
+                   "wall_s": 1.5, "final": final, "reused_from": reused_from}
+        (run_dir / "summary.json").write_text(json.dumps(summary))
+        point.update(status="reused" if reused_from else "finished", metrics=final)
+    if error is not None:
+        point.update(status="failed", error=error)
+        (run_dir / "error.log").write_text(traceback or f"Traceback (most recent call last):\n  ...\n{error}\n")
+    (run_dir / "point.json").write_text(json.dumps(point))
+    return run_dir
+
+
+def tiny_config(alpha: float, loss: str, arm: Optional[str] = None) -> dict:
+    config = {"model": {"teacher": "tiny-teacher", "student": "tiny-student"},
+              "loss": {"name": loss, "top_k": 64, "top_p": 0.95 if loss == "top_p" else None, "min_k": 1},
+              "balancer": {"name": "alpha", "alpha": alpha},
+              "trainer": {"max_steps": 4, "lr": 0.002, "min_lr": "${trainer.lr}"},
+              "paths": {"cache": "${oc.env:HOME}/.cache/kdexp"}}
+    if arm is not None:
+        config["experiment_arm"] = arm
+    return config
+
+
+def run_tiny_sweep(sweep_dir: Path, *, cache_dir: Path, extra: tuple[str, ...] = (),
+                   timeout: float = 1800) -> subprocess.CompletedProcess:
+    """A real multirun of the tiny default: balancer.alpha=0.0,1.0 (two finished points) plus alpha=1.5, which the
+    config validation rejects inside the job, so the sweep also has a real failed point. Returns the process."""
+    env = {**os.environ, "KDEXP_CACHE": str(cache_dir), "WANDB_MODE": "disabled", "PYTHONHASHSEED": "0"}
+    cmd = [sys.executable, "-m", "kdexp.run", "-m", "experiment=smoke", "logger=none",
+           "trainer.max_steps=4", "trainer.eval_interval=2", "trainer.eval_iters=1", "trainer.log_interval=1",
+           "trainer.checkpoint_interval=4", "balancer.alpha=0.0,1.0,1.5", f"hydra.sweep.dir={sweep_dir}", *extra]
+    return subprocess.run(cmd, cwd=sweep_dir.parent, env=env, capture_output=True, text=True, timeout=timeout)
