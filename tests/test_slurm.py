@@ -1,0 +1,149 @@
+"""Sweeps on the real one-node SLURM cluster of kdexp/launchers/start_slurm.sh (.ci/run starts it).
+
+Without a running cluster these tests FAIL (they are part of the deliverable), with a message saying how to start it.
+Each point runs as a 2-task SLURM job (the slurm_cpu preset) whose tasks talk over gloo.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _sweep_apps import app_env, load_sweep, run_app, sweep_dirs, write_app
+
+pytestmark = pytest.mark.slurm
+
+START = "bash kdexp/launchers/start_slurm.sh"
+
+
+@pytest.fixture(autouse=True)
+def slurm_cluster():
+    if shutil.which("sinfo") is None:
+        pytest.fail(f"SLURM is not installed: run `{START}` (as root; it installs and starts a one-node cluster)")
+    r = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=60)
+    states = {s.strip().rstrip("*~#$@+") for s in r.stdout.split()}
+    if r.returncode != 0 or not states & {"idle", "mixed", "allocated", "completing"}:
+        pytest.fail(f"SLURM is not running (sinfo rc={r.returncode}, states={sorted(states)}, {r.stderr.strip()}): "
+                    f"run `{START}`")
+
+
+def _cancel_jobs(root: Path) -> None:
+    """Cancel what a test left on the cluster: job ids are the names of submitit's per-job folders."""
+    ids = {p.name.split("_")[0] for p in root.glob("*/*/.submitit/*") if p.name[:1].isdigit()}
+    if ids:
+        subprocess.run(["scancel", *sorted(ids)], capture_output=True, timeout=60)
+
+
+def _diagnostics(root: Path) -> str:
+    logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(root.glob("*/*/.submitit/*/*.out")))
+    q = subprocess.run(["squeue", "-l"], capture_output=True, text=True).stdout
+    return f"squeue:\n{q}\n{logs}"
+
+
+GLOO_TASK = """\
+def task(cfg):
+    import submitit
+    import torch
+    import torch.distributed as dist
+
+    if cfg.x == 3:  # on every rank, before the process group: the point fails cleanly
+        raise RuntimeError("point x=3 fails on purpose")
+    env = submitit.helpers.TorchDistributedEnvironment().export()
+    dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size)
+    t = torch.tensor([float(env.rank + 1) * cfg.x], dtype=torch.float64)
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return {"sum": t.item(), "world": env.world_size, "ntasks": int(os.environ["SLURM_NTASKS"])}
+"""
+
+
+def test_sweep_of_two_task_points_with_gloo_all_reduce(tmp_path):
+    script = write_app(tmp_path / "app", GLOO_TASK, name="gloo_app")
+    root = tmp_path / "sweeps"
+    try:
+        r = run_app(script, ["x=1,2,3", "hydra/launcher=slurm_cpu", "hydra.launcher.timeout_min=10"], root,
+                    timeout=600)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"sweep did not end in 600 s\n{_diagnostics(root)}")
+    finally:
+        _cancel_jobs(root)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out + _diagnostics(root)  # x=3 failed; the others ran
+    s = load_sweep(root)
+    assert [p["status"] for p in s["points"]] == ["finished", "finished", "failed"], out
+    for p, x in zip(s["points"][:2], (1, 2)):
+        # all_reduce over ranks 0 and 1 of (rank + 1) * x
+        assert p["metrics"] == {"sum": (1 + 2) * x, "world": 2, "ntasks": 2}
+        assert p["slurm_job_id"] and Path(p["run_dir"]).parent == Path(s["sweep_dir"])
+    assert "RuntimeError: point x=3 fails on purpose" == s["points"][2]["error"]
+    # both tasks of a point ran (one submitit log per task), but only rank 0 wrote point.json
+    job_dirs = [d for d in (Path(s["sweep_dir"]) / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", d.name)]
+    assert len(job_dirs) == 3 and all(len(list(d.glob("*_log.out"))) == 2 for d in job_dirs)
+
+
+REQUEUE_TASK = """\
+def task(cfg):
+    import json
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    rank, restarts = int(os.environ["SLURM_PROCID"]), int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    if restarts == 0:
+        if rank == 0:  # what a trainer's checkpoint would be
+            (run_dir / "state.json").write_text(json.dumps({"partial": 10 * cfg.x, "job": os.environ["SLURM_JOB_ID"]}))
+            (run_dir / "waiting").write_text("signal me")
+        for _ in range(480):  # until SLURM preempts us (USR2 -> submitit checkpoints and requeues the job)
+            time.sleep(0.5)
+        raise RuntimeError("was not requeued")
+    state = json.loads((run_dir / "state.json").read_text())
+    return {"partial": state["partial"], "restarts": restarts, "same_job": int(state["job"] == os.environ["SLURM_JOB_ID"])}
+"""
+
+
+def test_preempted_point_is_requeued_into_the_same_run_dir(tmp_path):
+    script = write_app(tmp_path / "app", REQUEUE_TASK, name="requeue_app")
+    root = tmp_path / "sweeps"
+    proc = subprocess.Popen([sys.executable, str(script), "-m", "x=7", "hydra/launcher=slurm_cpu",
+                             "hydra.launcher.timeout_min=10"], cwd=script.parent, env=app_env(root),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def wait_for(what, condition, timeout_s=300.0):
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"waiting for {what}: sweep exited or {timeout_s}s passed\n{proc.communicate()[0]}"
+                            f"\n{_diagnostics(root)}")
+            time.sleep(0.5)
+
+    try:
+        wait_for("the first attempt", lambda: bool(list(root.glob("*/*/0/waiting"))))
+        run_dir = next(root.glob("*/*/0"))
+        job = json.loads((run_dir / "point.json").read_text())["slurm_job_id"]
+        # What SLURM sends before a time limit or on preemption (submitit's --signal=USR2@signal_delay_s).
+        subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=60)
+
+        def requeued_and_done():
+            # SLURM holds a requeued job for ~2 minutes (BeginTime); let it start now.
+            reason = subprocess.run(["squeue", "-h", "-j", job, "-o", "%r"], capture_output=True, text=True).stdout
+            if "BeginTime" in reason:
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+            return proc.poll() is not None
+
+        wait_for("the requeued attempt", requeued_and_done)
+        out = proc.communicate()[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _cancel_jobs(root)
+    assert proc.returncode == 0, out + _diagnostics(root)
+    s = load_sweep(root)
+    (p,) = s["points"]
+    assert p["status"] == "finished" and p["attempt"] == 2
+    assert Path(p["run_dir"]) == run_dir.resolve()
+    assert p["metrics"] == {"partial": 70, "restarts": 1, "same_job": 1}
+    assert len(sweep_dirs(root)) == 1
