@@ -1,1 +1,18 @@
-"""kdexp.models"""
+"""Qwen3 as a megatron-core GPTModel: shapes (spec), build, logits, and Hugging Face checkpoint import/export.
+
+Trainer use::
+
+    spec = get_spec(cfg.model.size, vocab_size=bundle.vocab_size)      # or spec_from_hf(read_config(path))
+    model = build(spec, params_dtype=torch.bfloat16)                    # random init, sharded for current TP
+    model = load_hf("/ckpts/Qwen3-1.7B", params_dtype=torch.bfloat16)   # real weights, sharded for current TP
+    shard = vocab_parallel_logits(model, tokens)                        # [b, s, V/tp] -> KD loss / LM loss
+    full = forward_logits(model, tokens)                                # [b, s, V]
+    save_hf(model, out_dir, spec)                                       # every rank calls; rank 0 writes
+"""
+
+from kdexp.models.build import build, check_tp, forward_logits, transformer_config, vocab_parallel_logits
+from kdexp.models.hf import load_hf, read_config, save_hf
+from kdexp.models.spec import QWEN3_SIZES, Qwen3Spec, get_spec, spec_from_hf, spec_to_hf
+
+__all__ = ["Qwen3Spec", "QWEN3_SIZES", "get_spec", "spec_from_hf", "spec_to_hf", "build", "check_tp",
+           "transformer_config", "forward_logits", "vocab_parallel_logits", "load_hf", "save_hf", "read_config"]

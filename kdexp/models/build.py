@@ -1,0 +1,157 @@
+"""Qwen3Spec -> megatron-core GPTModel (local layer spec), and the logits entry points the trainer calls.
+
+The local spec (no Transformer Engine / apex) gives torch.nn.RMSNorm for the layer norms and for Qwen3's per-head
+q/k norms, ColumnParallelLinear for the fused QKV and the fused gate|up projection, RowParallelLinear for the
+output and down projections and DotProductAttention with GQA. That is exactly Qwen3 (checked against transformers'
+Qwen3ForCausalLM in tests/test_models.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from kdexp.models.spec import Qwen3Spec
+
+
+def _tp_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("call kdexp.distributed.initialize() before building a model")
+    if ps.get_pipeline_model_parallel_world_size() != 1:
+        raise ValueError(f"parallel.pipeline={ps.get_pipeline_model_parallel_world_size()}: kdexp.models "
+                         "supports pipeline_parallel=1 only")
+    return ps.get_tensor_model_parallel_world_size()
+
+
+def check_tp(spec: Qwen3Spec, tp: int) -> None:
+    """ValueError unless tensor parallel size `tp` divides heads, kv heads, ffn and vocab."""
+    for what, n in (("num_heads", spec.num_heads), ("num_kv_heads", spec.num_kv_heads),
+                    ("intermediate_size", spec.intermediate_size), ("vocab_size", spec.vocab_size)):
+        if n % tp:
+            raise ValueError(f"parallel.tensor={tp} must divide model.{what}={n}")
+
+
+def transformer_config(spec: Qwen3Spec, *, params_dtype=torch.float32, tp: int = 1, init: bool = True):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if params_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"params_dtype must be float32, bfloat16 or float16, got {params_dtype}")
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.intermediate_size,
+        num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        # Why: with bf16/fp16 params megatron keeps the attention softmax in fp32 (as transformers does).
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=tp,
+        # CPU: build master weights on the CPU and slice them (also makes the init independent of TP size).
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # load_hf overwrites every weight; skip the random init there.
+        perform_initialization=init,
+    )
+
+
+def build(spec: Qwen3Spec, *, params_dtype=torch.float32, init: bool = True):
+    """A megatron GPTModel with Qwen3's architecture, sharded for the current tensor-parallel size.
+
+    kdexp.distributed.initialize() must have been called. `init=False` leaves weights unset (load_hf fills them).
+    The spec is kept on the model as `model.kdexp_spec`.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    tp = _tp_size()
+    check_tp(spec, tp)
+    config = transformer_config(spec, params_dtype=params_dtype, tp=tp, init=init)
+    layer_spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=spec.vocab_size,
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=spec.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=spec.rope_theta,
+    )
+    if not init:
+        _mark_tp_attributes(model)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    model.kdexp_spec = spec
+    return model
+
+
+def _mark_tp_attributes(model) -> None:
+    """Set megatron's TP attributes (tensor_model_parallel, partition_dim, partition_stride) on the weights.
+
+    Why: megatron sets them inside its weight initializers, which perform_initialization=False skips; grad-norm
+    clipping, the distributed optimizer and save_hf's gather all read them.
+    """
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding, set_tensor_model_parallel_attributes)
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, (ColumnParallelLinear, VocabParallelEmbedding)):
+            dim = 0
+        elif isinstance(mod, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        w = getattr(mod, "weight", None)
+        if isinstance(w, torch.nn.Parameter) and not hasattr(w, "tensor_model_parallel"):
+            # linear_fc1 holds [gate | up] per rank: megatron's stride 2 (see MLP.__init__).
+            set_tensor_model_parallel_attributes(w, True, dim, 2 if name.endswith("linear_fc1") else 1)
+
+
+@functools.lru_cache(maxsize=8)
+def _causal_mask(seq: int, device: torch.device) -> torch.Tensor:
+    # megatron's convention: True = masked (may not attend). [1, 1, s, s] broadcasts over batch and heads.
+    return torch.triu(torch.ones(seq, seq, dtype=torch.bool, device=device), diagonal=1)[None, None]
+
+
+def _positions(input_ids: torch.Tensor) -> torch.Tensor:
+    return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0).expand_as(input_ids)
+
+
+def vocab_parallel_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits [b, s, V/tp]: this TP rank's contiguous vocabulary shard (rank r holds [r*V/tp, (r+1)*V/tp)).
+
+    Causal attention over the whole row (no document masking), positions 0..s-1.
+    """
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+    mask = _causal_mask(input_ids.shape[1], input_ids.device)
+    return model(input_ids, _positions(input_ids), mask)
+
+
+def forward_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary logits [b, s, V] (all-gathered over the tensor-parallel group; differentiable)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    logits = vocab_parallel_logits(model, input_ids)
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return logits
+    return gather_from_tensor_model_parallel_region(logits.contiguous())
