@@ -135,7 +135,7 @@ def test_override_and_resolved_values(tmp_path):
     for num, lr in enumerate(("1e-3", "2e-3")):
         config = tiny_config(0.9, "topk")
         config["trainer"].update(lr=float(lr), min_lr=0.0002 if num == 0 else "${trainer.lr}")
-        overrides = [f"trainer.lr={lr}"] + (["trainer.min_lr=${trainer.lr}"] if num == 1 else [])
+        overrides = [f"trainer.lr={lr}"] + (["trainer.min_lr=$\\{trainer.lr\\}"] if num == 1 else [])  # as Hydra saves it
         write_run_dir(root / str(num), overrides=overrides, config=config, num=num,
                       **finished_kwargs(FINISHED[(0.0, "topk")]))
     sweep = load_sweep(root)
@@ -356,3 +356,41 @@ def test_metrics_jsonl_tolerates_a_cut_line(tmp_path):
     p = load_sweep(run).points[0]
     assert p.status == "running" and p.curves["train/loss"] == [(1, 2.0), (2, 1.5)]
     assert not math.isnan(p.final["train/loss"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A real tiny sweep (python -m kdexp.run -m ..., shared with tests/test_notebook.py through tests/sweeps.py)
+@pytest.fixture(scope="module")
+def real_sweep(tmp_path_factory):
+    from sweeps import expected_real_points, real_tiny_sweep
+
+    sweep_dir, proc = real_tiny_sweep(tmp_path_factory)
+    points = expected_real_points(sweep_dir)
+    assert sorted(points) == [0.0, 1.0, 1.5], f"sweep rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return sweep_dir, points
+
+
+@pytest.mark.slow
+def test_report_on_real_sweep(real_sweep):
+    sweep_dir, expected = real_sweep
+    sweep = load_sweep(sweep_dir)
+    assert "balancer.alpha" in sweep.swept
+    by_alpha = {p.params["balancer.alpha"]: p for p in sweep.points}
+    assert sorted(by_alpha) == [0.0, 1.0, 1.5]
+    table = points_table(sweep)
+    rows = {r["balancer.alpha"]: r for r in table.records()}
+    for alpha in (0.0, 1.0):
+        assert rows[alpha]["status"] == "finished"
+        for metric in NAMES:  # the table shows summary.json's final values
+            assert rows[alpha][metric] == expected[alpha]["final"][metric], (alpha, metric)
+        assert by_alpha[alpha].curves["train/loss"][-1][1] == expected[alpha]["last"]["train/loss"]
+    assert rows[1.5]["status"] == "failed" and rows[1.5]["error"] == expected[1.5]["error"]
+    assert "balancer.alpha" in rows[1.5]["error"]
+    best = best_points(sweep)
+    lm = {a: expected[a]["final"]["val/lm_loss"] for a in (0.0, 1.0)}
+    assert best["val/lm_loss"].point is by_alpha[min(lm, key=lm.get)]
+    r = run_cli(str(sweep_dir))
+    assert r.returncode == 0, r.stderr
+    for name in ("report.md", "index.html", "curves.png", "vs_balancer.alpha.png"):
+        assert (sweep_dir / "report" / name).is_file(), name
+    png_size(sweep_dir / "report" / "vs_balancer.alpha.png")

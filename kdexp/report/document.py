@@ -112,11 +112,13 @@ def render_html(sweep: Sweep, plots: dict[str, Path], out_dir: Path) -> str:
             f"<style>{_CSS}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
-def write_report(sweep: Sweep, out_dir: str | Path) -> ReportFiles:
-    """Plots, report.md and index.html into ``out_dir`` (created); the text files are written atomically."""
+def write_report(sweep: Sweep, out_dir: str | Path, plots: Optional[dict[str, Path]] = None) -> ReportFiles:
+    """Plots, report.md and index.html into ``out_dir`` (created); the text files are written atomically.
+    ``plots`` = what write_plots(sweep, out_dir) already returned (the notebook draws them first), else drawn here."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    plots = write_plots(sweep, out_dir)
+    if plots is None:
+        plots = write_plots(sweep, out_dir)
     md, page = out_dir / "report.md", out_dir / "index.html"
     _atomic_write(md, render_markdown(sweep, plots, out_dir))
     _atomic_write(page, render_html(sweep, plots, out_dir))

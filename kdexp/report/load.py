@@ -122,7 +122,8 @@ def parse_overrides(lines: Iterable[str]) -> dict[str, str]:
         key = key.lstrip("+~")
         if key == "hydra" or key.startswith(("hydra.", "hydra/")):
             continue
-        out[key] = value if sep else None
+        # Hydra writes an interpolation typed as ${a} into overrides.yaml as $\{a\}: show it as typed.
+        out[key] = value.replace("\\{", "{").replace("\\}", "}") if sep else None
     return out
 
 
