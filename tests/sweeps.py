@@ -72,3 +72,37 @@ def run_tiny_sweep(sweep_dir: Path, *, cache_dir: Path, extra: tuple[str, ...] =
            "trainer.max_steps=4", "trainer.eval_interval=2", "trainer.eval_iters=1", "trainer.log_interval=1",
            "trainer.checkpoint_interval=4", "balancer.alpha=0.0,1.0,1.5", f"hydra.sweep.dir={sweep_dir}", *extra]
     return subprocess.run(cmd, cwd=sweep_dir.parent, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+_REAL: dict = {}
+
+
+def real_tiny_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The real tiny sweep, run once per test session however many modules ask for it (memoized here, because a
+    session fixture would have to live in conftest.py)."""
+    if "dir" not in _REAL:
+        base = tmp_path_factory.mktemp("real_sweep")
+        sweep_dir = base / "sweep"
+        _REAL["proc"] = run_tiny_sweep(sweep_dir, cache_dir=base / "cache")
+        _REAL["dir"] = sweep_dir
+    return _REAL["dir"], _REAL["proc"]
+
+
+def expected_real_points(sweep_dir: Path) -> dict:
+    """What the real sweep's files say, read with json alone (the reference the report is checked against):
+    {alpha: {"status": .., "final": {..}, "error": .., "last": {metric: last value in metrics.jsonl}}}."""
+    out = {}
+    for point_file in sorted(Path(sweep_dir).rglob("point.json")):
+        run_dir = point_file.parent
+        point = json.loads(point_file.read_text())
+        alpha = next(float(o.split("=", 1)[1]) for o in point["overrides"] if o.startswith("balancer.alpha="))
+        summary_file = run_dir / "summary.json"
+        summary = json.loads(summary_file.read_text()) if summary_file.exists() else None
+        last: dict = {}
+        if (run_dir / "metrics.jsonl").exists():
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+                rec = json.loads(line)
+                last.update({k: v for k, v in rec.items() if k not in ("step", "kind")})
+        out[alpha] = {"status": point["status"], "error": point.get("error"), "run_dir": run_dir,
+                      "final": (summary or {}).get("final"), "last": last}
+    return out
