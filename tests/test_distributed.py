@@ -166,3 +166,14 @@ def test_launch_env_sources(monkeypatch, lone_process):
     monkeypatch.setenv("MASTER_PORT", "29555")
     assert _launch_env() == (1, 2, 0, "127.0.0.1", 29555, "torchrun")
     assert _first_slurm_host("node1") == "node1" and _first_slurm_host("a[1,3-4]") == "a1"
+
+
+def _fails_on_rank1(rank, world_size):
+    if rank == 1:
+        raise ValueError("boom from rank 1")
+    return rank
+
+
+def test_run_on_processes_reports_the_failing_rank():
+    with pytest.raises(RuntimeError, match=r"(?s)rank 1 ---.*ValueError: boom from rank 1"):
+        run_on_processes(_fails_on_rank1, 2)
