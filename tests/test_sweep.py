@@ -251,3 +251,16 @@ def test_site_example_is_valid_for_the_slurm_presets(tmp_path, monkeypatch):
     example = (Path(sweep.__file__).parents[1] / "launchers" / "site.yaml.example").read_text()
     gpu = _launcher(tmp_path, monkeypatch, ["hydra/launcher=slurm_gpu"], example)
     assert gpu.partition == "gpu" and gpu.account == "my_project"
+
+
+def test_relative_sweep_dir_and_job_chdir(tmp_path):
+    # hydra.job.chdir moves each job into its run dir before the callback runs: the relative sweep dir must still be
+    # the one under the directory the sweep was started from.
+    script = write_app(tmp_path / "app", SCORE_TASK)
+    root = tmp_path / "sweeps"
+    r = run_app(script, ["x=1,3", "hydra.job.chdir=true", "hydra.sweep.dir=rel/${kdexp_uid:}"], root)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (sweep_json,) = script.parent.rglob("sweep.json")  # and none inside a run dir
+    s = json.loads(sweep_json.read_text())
+    assert s["sweep_dir"] == str(sweep_json.parent)
+    assert [(p["status"], Path(p["run_dir"]).parent) for p in s["points"]] == [("finished", sweep_json.parent)] * 2

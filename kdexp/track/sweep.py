@@ -178,6 +178,16 @@ def wandb_names(cfg: Any) -> dict:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # point.json / sweep.json
+def _sweep_dir(hydra_cfg: Any) -> Path:
+    """Absolute sweep dir. A relative hydra.sweep.dir is relative to the directory Hydra was started in
+    (hydra.runtime.cwd), not to the job's cwd (which hydra.job.chdir may have moved)."""
+    sweep_dir = Path(str(hydra_cfg.sweep.dir))
+    if not sweep_dir.is_absolute():
+        cwd = OmegaConf.select(hydra_cfg, "runtime.cwd") if OmegaConf.is_config(hydra_cfg) else None
+        sweep_dir = Path(cwd or os.getcwd()) / sweep_dir
+    return sweep_dir.resolve()
+
+
 def _hydra_point_fields() -> dict:
     """num, overrides and sweep_dir of the current Hydra job, when there is one."""
     from hydra.core.hydra_config import HydraConfig
@@ -188,7 +198,7 @@ def _hydra_point_fields() -> dict:
     fields = {"overrides": list(h.overrides.task)}
     if _is_multirun(h):
         fields["num"] = int(h.job.num)
-        fields["sweep_dir"] = str(Path(str(h.sweep.dir)).resolve())
+        fields["sweep_dir"] = str(_sweep_dir(h))
     return fields
 
 
@@ -324,7 +334,9 @@ class SweepCallback(Callback):
 
     # submitting process -------------------------------------------------------------------------------------------
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
+        if global_rank() != 0:  # e.g. a multirun started under torchrun: every rank runs Hydra
+            return
+        sweep_dir = _sweep_dir(config.hydra)
         sweep_dir.mkdir(parents=True, exist_ok=True)
         planned = plan_points(config.hydra)
         if planned is not None:
@@ -338,7 +350,9 @@ class SweepCallback(Callback):
               f" (progress in {sweep_dir / SWEEP_FILE})", flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        sweep_dir = Path(str(config.hydra.sweep.dir)).resolve()
+        if global_rank() != 0:
+            return
+        sweep_dir = _sweep_dir(config.hydra)
         sweep = rebuild_sweep(sweep_dir)
         c = sweep["counts"]
         print(f"[sweep] ended: {c['finished']} finished, {c['reused']} reused, {c['failed']} failed,"
@@ -361,7 +375,7 @@ class SweepCallback(Callback):
         attempt = int(previous.get("attempt", 0)) + 1
         record_point(run_dir, "running", metrics={}, attempt=attempt, started=_now(), host=socket.gethostname(),
                      slurm_job_id=_slurm_job_id())
-        rebuild_sweep(config.hydra.sweep.dir)
+        rebuild_sweep(_sweep_dir(config.hydra))
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         from hydra.core.utils import JobStatus
@@ -396,4 +410,4 @@ class SweepCallback(Callback):
                 metrics = {k: v for k, v in value.items() if isinstance(v, (int, float))} \
                     if isinstance(value, Mapping) else {}
             record_point(run_dir, status, metrics=metrics, ended=_now())
-        print(progress_line(rebuild_sweep(config.hydra.sweep.dir)), flush=True)
+        print(progress_line(rebuild_sweep(_sweep_dir(config.hydra))), flush=True)
