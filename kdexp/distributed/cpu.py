@@ -111,10 +111,24 @@ def apply() -> bool:
         mod.get_default_causal_mask = _cpu_default_causal_mask
         mod.get_sliding_window_causal_mask = _cpu_sliding_window_causal_mask
 
-    mp_random._CUDA_RNG_STATE_TRACKER = _make_tracker_class()()
-    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    _install_tracker()
     _APPLIED = True
     return True
+
+
+_TRACKER_CLASS = None
+
+
+def _install_tracker():
+    global _TRACKER_CLASS
+    from megatron.core.tensor_parallel import random as mp_random
+
+    if _TRACKER_CLASS is None:
+        _TRACKER_CLASS = _make_tracker_class()
+    if not isinstance(mp_random._CUDA_RNG_STATE_TRACKER, _TRACKER_CLASS):
+        mp_random._CUDA_RNG_STATE_TRACKER = _TRACKER_CLASS()
+    # Marked initialized so get_cuda_rng_tracker() never builds megatron's CUDA tracker over ours.
+    mp_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
 def model_parallel_manual_seed(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int = 0) -> None:
@@ -122,6 +136,7 @@ def model_parallel_manual_seed(seed: int, tp_rank: int, ep_rank: int = 0, etp_ra
     from megatron.core.tensor_parallel import random as mp_random
 
     apply()
+    _install_tracker()  # again: megatron's initialize_rng_tracker(force_reset=True) may have replaced it
     tracker = mp_random._CUDA_RNG_STATE_TRACKER
     tracker.reset()
     # The default (data-parallel) stream is torch's global CPU generator.
