@@ -16,6 +16,17 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"
                 "SLURM_JOB_NODELIST", "SLURM_JOB_ID")
 
 
+@pytest.fixture
+def lone_process(monkeypatch):
+    for var in _LAUNCH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    if kd.is_initialized():
+        kd.destroy()
+    yield
+    if kd.is_initialized() or torch.distributed.is_initialized():
+        kd.destroy()
+
+
 def _tiny_gpt(tp):
     import torch.nn.functional as F
     from megatron.core.models.gpt import GPTModel
@@ -66,8 +77,9 @@ def _fwd_bwd(rank, world_size, tp):
 
 
 @pytest.mark.slow
-def test_tp2_matches_tp1():
-    ref = run_on_processes(_fwd_bwd, 1, args=(1,))[0]
+def test_tp2_matches_tp1(lone_process):
+    ref = _fwd_bwd(0, 1, 1)  # the TP=1 reference, in this process
+    kd.destroy()
     r0, r1 = run_on_processes(_fwd_bwd, 2, args=(2,))
     # Same initial weights (megatron's CPU init builds the master weight and slices it) ...
     torch.testing.assert_close(r0["qkv_weight"], ref["qkv_weight"], rtol=0, atol=0)
@@ -77,17 +89,6 @@ def test_tp2_matches_tp1():
         torch.testing.assert_close(r["final_norm_grad"], ref["final_norm_grad"], rtol=1e-4, atol=1e-6)
         torch.testing.assert_close(r["fc2_grad"], ref["fc2_grad"], rtol=1e-4, atol=1e-6)
     assert ref["final_norm_grad"].abs().sum() > 0
-
-
-@pytest.fixture
-def lone_process(monkeypatch):
-    for var in _LAUNCH_VARS:
-        monkeypatch.delenv(var, raising=False)
-    if kd.is_initialized():
-        kd.destroy()
-    yield
-    if kd.is_initialized() or torch.distributed.is_initialized():
-        kd.destroy()
 
 
 def test_single_process_initialize_is_idempotent(lone_process):
