@@ -186,7 +186,7 @@ def _check_balancer(bal: Any) -> None:
 
 
 def _model_shape(name: str, key: str):
-    from kdexp.models.sizes import QWEN3_SIZES  # the table only: no megatron import
+    from kdexp.models.spec import QWEN3_SIZES
 
     if name not in QWEN3_SIZES:
         _fail(key, name, f"must be one of {sorted(QWEN3_SIZES)}")
@@ -214,9 +214,9 @@ def _vocab_sizes(cfg: Any) -> tuple[Optional[int], Optional[int]]:
         if path is not None:
             return json.loads((Path(path) / "config.json").read_text())["vocab_size"]
         spec = _model_shape(name, key)
-        if spec.vocab_size:  # tiny presets take the tokenizer's vocabulary
-            return spec.vocab_size
-        return cfg.data.vocab_size if cfg.data.name == "stdlib" else None
+        if name.startswith("tiny"):  # tiny presets take the tokenizer's vocabulary
+            return cfg.data.vocab_size if cfg.data.name == "stdlib" else None
+        return spec.vocab_size
 
     return (size(cfg.model.teacher, "model.teacher", cfg.model.teacher_path),
             size(cfg.model.student, "model.student", cfg.model.student_path))

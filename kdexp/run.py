@@ -9,7 +9,8 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-import kdexp.config  # noqa: F401  (registers the typed schema kdexp_schema)
+import kdexp.conf  # noqa: F401  (registers the typed schema and the resolvers the YAML uses)
+import kdexp.config
 from kdexp.track import rundir
 
 

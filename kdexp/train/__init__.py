@@ -1,1 +1,4 @@
-"""kdexp.train"""
+"""Training: the distillation loop, the frozen teacher, evaluation, checkpoint/resume, one run from start to summary."""
+from kdexp.train.point import run_point
+
+__all__ = ["run_point"]

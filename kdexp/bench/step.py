@@ -1,0 +1,85 @@
+"""KD step overhead on the embedded default: a distillation train step vs (student fwd+bwd + teacher fwd).
+
+    python -m kdexp.bench.step [--steps 20] [hydra overrides ...]
+
+Both variants run interleaved in one process on the same batches, so machine noise hits both alike; the table gives
+medians and the ratio. The baseline is what any distillation must pay anyway (the teacher's forward and the student's
+forward + backward with the LM loss); the difference is the cost of the KD loss itself.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from hydra import compose, initialize_config_module
+
+import kdexp.config  # noqa: F401
+from kdexp import distributed, models
+from kdexp.data import batches, prepare
+from kdexp.train import objectives, optim
+from kdexp.train.loop import balancer_from, build_student, train_step
+from kdexp.train.teacher import get_teacher
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    with initialize_config_module(config_module="kdexp.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=args.overrides)
+    kdexp.config.validate(cfg)
+    st = distributed.initialize(tensor_parallel=cfg.parallel.tensor, seed=cfg.trainer.seed)
+    t = cfg.trainer
+    data = prepare(cfg.data, seq_length=t.seq_length, cache_dir=cfg.paths.cache, seed=t.seed,
+                   train_samples=max(t.max_steps, cfg.model.teacher_pretrain_steps, args.steps + args.warmup)
+                   * t.micro_batch_size * st.dp_size,
+                   val_samples=t.micro_batch_size * st.dp_size, tokenizer_path=cfg.data.tokenizer)
+    teacher = get_teacher(cfg, data)
+    student = build_student(cfg, data.vocab_size)
+    opt = optim.make_optimizer(student, lr=t.lr, weight_decay=t.weight_decay)
+    balancer = balancer_from(cfg)
+    stream = batches(data.train_ds, micro_batch_size=t.micro_batch_size, dp_rank=st.dp_rank, dp_size=st.dp_size)
+
+    def kd_step(batch):
+        opt.zero_grad(set_to_none=True)
+        train_step(student, teacher, batch, balancer, cfg, needs_lm=True)
+        opt.step()
+
+    def baseline_step(batch):
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            models.vocab_parallel_logits(teacher, batch["tokens"])
+        logits = models.vocab_parallel_logits(student, batch["tokens"])
+        objectives.lm_loss(logits, batch["labels"], batch["loss_mask"]).backward()
+        opt.step()
+
+    times = {"kd": [], "baseline": []}
+    for i in range(args.warmup + args.steps):
+        batch = {k: v.to(st.device) for k, v in next(stream).items()}
+        for name, fn in (("kd", kd_step), ("baseline", baseline_step)) if i % 2 else (
+                ("baseline", baseline_step), ("kd", kd_step)):
+            if st.device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn(batch)
+            if st.device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+    kd, base = statistics.median(times["kd"]), statistics.median(times["baseline"])
+    if st.rank == 0:
+        tokens = t.micro_batch_size * t.seq_length
+        print(f"loss={cfg.loss.name} top_k={cfg.loss.top_k} top_p={cfg.loss.top_p} vocab={data.vocab_size} "
+              f"tokens/step={tokens} device={st.device} steps={args.steps}")
+        print(f"{'variant':<40} {'median ms':>10}")
+        print(f"{'teacher fwd + student fwd+bwd (LM)':<40} {1000 * base:>10.1f}")
+        print(f"{'KD train step (teacher, student, KD+LM)':<40} {1000 * kd:>10.1f}")
+        print(f"KD overhead: {100 * (kd / base - 1):+.1f}%  (ratio {kd / base:.3f})")
+
+
+if __name__ == "__main__":
+    main()

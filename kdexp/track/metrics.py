@@ -1,0 +1,115 @@
+"""metrics.jsonl, the fixed-width console line, and interval averages kept on the device.
+
+Per-step values are summed as tensors and read back to the host once per log interval, so the training step itself
+never waits for the host. Only global rank 0 writes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+log = logging.getLogger("kdexp")
+
+
+class IntervalMeter:
+    """Running sums of detached scalar tensors over one log interval."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor] = {}
+        self.count = 0
+
+    def add(self, values: dict[str, torch.Tensor]) -> None:
+        for key, value in values.items():
+            value = value.detach().float()
+            self.sums[key] = self.sums[key] + value if key in self.sums else value.clone()
+        self.count += 1
+
+    def averages(self) -> dict[str, float]:
+        if not self.count:
+            return {}
+        keys = list(self.sums)
+        host = torch.stack([self.sums[k] for k in keys]).cpu().tolist()  # the one host sync of the interval
+        return {k: v / self.count for k, v in zip(keys, host)}
+
+    def reset(self) -> None:
+        self.sums, self.count = {}, 0
+
+    def state_dict(self) -> dict:
+        return {"sums": {k: v.cpu() for k, v in self.sums.items()}, "count": self.count}
+
+    def load_state_dict(self, state: dict, device: torch.device) -> None:
+        self.sums = {k: v.to(device) for k, v in state["sums"].items()}
+        self.count = state["count"]
+
+
+class MetricsFile:
+    """Append-only metrics.jsonl; on resume, lines past the checkpoint step are dropped (they are recomputed)."""
+
+    def __init__(self, path: Path, enabled: bool, resume_step: Optional[int] = None):
+        self.path = Path(path)
+        self.enabled = enabled
+        if enabled and self.path.exists():
+            self._truncate_after(resume_step or 0)
+
+    def _truncate_after(self, step: int) -> None:
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line)
+            except (json.JSONDecodeError, KeyError):  # a line cut by a kill
+                continue
+        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".metrics.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            with self.path.open("a") as f:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+
+
+def _fmt_eta(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    return f"{seconds // 3600:d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def console_line(step: int, max_steps: int, m: dict[str, float], eta_s: float) -> str:
+    """One fixed-width line per interval (step, losses, kept mass, nucleus size, tokens/s, lr, eta)."""
+    return (f"step {step:>6d}/{max_steps:<6d} loss {m.get('train/loss', float('nan')):8.4f} "
+            f"lm {m.get('train/lm_loss', float('nan')):8.4f} kd {m.get('train/kd_loss', float('nan')):8.4f} "
+            f"kept {m.get('train/kept_mass', float('nan')):6.4f} "
+            f"nucleus {m.get('train/nucleus_size', float('nan')):8.1f} "
+            f"tok/s {m.get('perf/tokens_per_s', 0.0):9.0f} lr {m.get('train/lr', 0.0):9.3e} eta {_fmt_eta(eta_s)}")
+
+
+def eval_line(step: int, m: dict[str, float]) -> str:
+    return (f"eval {step:>6d}        val/lm_loss {m['val/lm_loss']:8.4f} "
+            f"val/kl_to_teacher {m['val/kl_to_teacher']:8.4f} val/top1_agreement {m['val/top1_agreement']:6.4f}")
+
+
+class Progress:
+    """A progress bar on rank 0, only when stderr is a terminal (log lines stay the record)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total = total
+        self.enabled = enabled and sys.stderr.isatty()
+
+    def update(self, step: int) -> None:
+        if self.enabled:
+            width = 30
+            done = int(width * step / max(1, self.total))
+            sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{self.total}")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\n")

@@ -1,0 +1,73 @@
+"""Per-batch objectives on vocab-parallel logits: LM cross-entropy, the KD loss, and eval metrics.
+
+Every function takes this rank's vocabulary shard ([b, s, V/tp]) and returns values that are equal on every TP rank.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import tensor_parallel
+
+from kdexp import distributed
+from kdexp.losses import logits_kd_loss
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values.float() * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Vocab-parallel next-token cross-entropy (Megatron's), masked mean over tokens."""
+    x = logits.float()
+    if x is logits:  # megatron's cross-entropy works in place; keep the caller's logits intact for the KD loss
+        x = logits.clone()
+    return masked_mean(tensor_parallel.vocab_parallel_cross_entropy(x, labels), loss_mask)
+
+
+def kd_loss_kwargs(loss_cfg) -> dict:
+    return dict(temperature=loss_cfg.temperature, top_k=loss_cfg.top_k, top_p=loss_cfg.top_p, min_k=loss_cfg.min_k,
+                ghost_token=loss_cfg.ghost_token, normalization=loss_cfg.normalization,
+                divergence=loss_cfg.divergence)
+
+
+def kd_loss(student: torch.Tensor, teacher: torch.Tensor, loss_mask: torch.Tensor, loss_cfg):
+    """Masked-mean KD loss and the masked-mean stats (teacher kept mass, student residual mass, nucleus size)."""
+    kwargs = kd_loss_kwargs(loss_cfg)
+    if loss_cfg.divergence == "jsd":
+        kwargs["beta"] = loss_cfg.jsd_beta
+    per_token, stats = logits_kd_loss(student, teacher, tp_group=distributed.tp_group(), return_stats=True, **kwargs)
+    loss = masked_mean(per_token, loss_mask)
+    if loss_cfg.temperature_squared:
+        loss = loss * loss_cfg.temperature ** 2
+    # kept_mass: the teacher's mass in the kept set; ghost_mass: the student's mass in the ghost bucket (outside it)
+    return loss, {
+        "kept_mass": masked_mean(stats.teacher_kept_mass, loss_mask),
+        "ghost_mass": masked_mean(1.0 - stats.student_kept_mass, loss_mask),
+        "nucleus_size": masked_mean(stats.nucleus_size.float(), loss_mask),
+    }
+
+
+def full_kl(student: torch.Tensor, teacher: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Full-vocabulary forward KL(teacher || student) at T=1: the eval metric val/kl_to_teacher."""
+    per_token = logits_kd_loss(student, teacher, top_k=None, top_p=None, ghost_token=False,
+                               tp_group=distributed.tp_group())
+    return masked_mean(per_token, loss_mask)
+
+
+def vocab_parallel_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Global argmax over a vocab-sharded last dim (ties -> the smallest index, like torch.argmax)."""
+    st = distributed.state()
+    values, idx = logits.float().max(dim=-1)
+    if st.tp_size == 1:
+        return idx
+    idx = idx + st.tp_rank * logits.shape[-1]
+    best = values.clone()
+    dist.all_reduce(best, op=dist.ReduceOp.MAX, group=distributed.tp_group())
+    candidate = torch.where(values == best, idx, torch.full_like(idx, torch.iinfo(idx.dtype).max))
+    dist.all_reduce(candidate, op=dist.ReduceOp.MIN, group=distributed.tp_group())
+    return candidate
+
+
+def top1_agreement(student: torch.Tensor, teacher: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    same = (vocab_parallel_argmax(student) == vocab_parallel_argmax(teacher)).float()
+    return masked_mean(same, loss_mask)

@@ -1,0 +1,106 @@
+"""The frozen teacher: a real HF checkpoint, or the embedded tiny teacher pretrained once on the corpus and cached.
+
+No pretrained weights exist offline for the tiny Qwen3 shapes, so the first embedded run trains the teacher with the
+LM loss (logged as its own stage), saves it as a Hugging Face checkpoint in the cache directory, keyed by what made it,
+and every later run (any TP size) loads it back through ``load_hf`` like a real teacher.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from kdexp import distributed, models
+from kdexp.data import batches
+from kdexp.data.cache import cached_path
+from kdexp.train import objectives, optim
+
+log = logging.getLogger("kdexp")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def freeze(model: torch.nn.Module) -> torch.nn.Module:
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def tiny_spec(name: str, vocab_size: int) -> models.Qwen3Spec:
+    return models.get_spec(name, vocab_size=vocab_size)
+
+
+def pretrained_teacher_dir(cfg, data) -> Path:
+    """Cache directory of the embedded teacher, keyed by everything that determines its weights."""
+    st = distributed.state()
+    key = {
+        "spec": dataclasses.asdict(tiny_spec(cfg.model.teacher, data.vocab_size)),
+        "data": data.fingerprint,
+        "steps": cfg.model.teacher_pretrain_steps, "lr": cfg.model.teacher_pretrain_lr,
+        "seq_length": cfg.trainer.seq_length, "micro_batch_size": cfg.trainer.micro_batch_size,
+        "dp_size": st.dp_size, "seed": cfg.trainer.seed, "params_dtype": cfg.model.params_dtype,
+    }
+    return cached_path("teacher", key, root=cfg.paths.cache)
+
+
+def pretrain(model: torch.nn.Module, data, cfg) -> None:
+    """LM-only training of the tiny teacher (AdamW, warmup + cosine, clipping): the stage 'teacher'."""
+    st = distributed.state()
+    t = cfg.trainer
+    steps = cfg.model.teacher_pretrain_steps
+    lr = cfg.model.teacher_pretrain_lr
+    opt = optim.make_optimizer(model, lr=lr, weight_decay=t.weight_decay)
+    stream = batches(data.train_ds, micro_batch_size=t.micro_batch_size, dp_rank=st.dp_rank, dp_size=st.dp_size)
+    model.train()
+    started = time.perf_counter()
+    running = torch.zeros((), device=st.device)
+    for step in range(steps):
+        batch = {k: v.to(st.device) for k, v in next(stream).items()}
+        optim.set_lr(opt, optim.lr_at(step, lr=lr, min_lr=lr / 10, warmup=max(1, steps // 20), total=steps))
+        loss = objectives.lm_loss(models.vocab_parallel_logits(model, batch["tokens"]), batch["labels"],
+                                  batch["loss_mask"])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        optim.average_gradients(model)
+        optim.clip_gradients(model, t.grad_clip)
+        opt.step()
+        running += loss.detach()
+        if (step + 1) % max(1, steps // 10) == 0 or step + 1 == steps:
+            n = (step % max(1, steps // 10)) + 1
+            if st.rank == 0:
+                log.info("teacher step %6d/%-6d lm %8.4f  %6.1f s", step + 1, steps, running.item() / n,
+                         time.perf_counter() - started)
+            running.zero_()
+
+
+def _rank0_decides(flag: bool) -> bool:
+    """Rank 0's view of a file-system fact, for every rank (so collectives stay in step)."""
+    if not dist.is_initialized():
+        return flag
+    value = torch.tensor([int(flag)], device=distributed.state().device)
+    dist.broadcast(value, src=0)
+    return bool(value.item())
+
+
+def get_teacher(cfg, data) -> torch.nn.Module:
+    dtype = DTYPES[cfg.model.params_dtype]
+    if cfg.model.teacher_path is not None:
+        return freeze(models.load_hf(cfg.model.teacher_path, params_dtype=dtype))
+    path = pretrained_teacher_dir(cfg, data)
+    if not _rank0_decides((path / "config.json").exists()):  # rank 0 decides: all ranks train or none
+        st = distributed.state()
+        if st.rank == 0:
+            log.info("stage teacher: pretraining the embedded teacher %s for %d steps (once; cached in %s)",
+                     cfg.model.teacher, cfg.model.teacher_pretrain_steps, path)
+        spec = tiny_spec(cfg.model.teacher, data.vocab_size)
+        model = models.build(spec, params_dtype=dtype)
+        pretrain(model, data, cfg)
+        models.save_hf(model, path, spec)
+        del model
+    if dist.is_initialized():
+        dist.barrier()
+    return freeze(models.load_hf(path, params_dtype=dtype))

@@ -1,0 +1,135 @@
+"""The distillation run end to end (subprocesses, tiny models): run dir contents, resume after SIGKILL, TP=2 vs TP=1,
+sweep re-runs that retrain nothing."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SMOKE = ["experiment=smoke"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    e = dict(os.environ)
+    e["KDEXP_CACHE"] = str(tmp_path_factory.mktemp("kdexp_cache"))  # tokenizer, dataset, teacher: shared here
+    e["WANDB_MODE"] = "offline"
+    e["PYTHONUNBUFFERED"] = "1"
+    e.pop("KDEXP_RUN_STAMP", None)
+    return e
+
+
+def kdexp_run(args, env, cwd, *, torchrun: int = 0, check: bool = True, extra_env=None):
+    if torchrun:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun),
+               "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "kdexp.run", *args]
+    else:
+        cmd = [sys.executable, "-m", "kdexp.run", *args]
+    proc = subprocess.run(cmd, cwd=cwd, env={**env, **(extra_env or {})}, capture_output=True, text=True,
+                          timeout=900)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def metrics(run_dir: Path, kind: str) -> list[dict]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if x["kind"] == kind]
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def comparable(final: dict) -> dict:
+    return {k: v for k, v in final.items() if not k.startswith("perf/")}
+
+
+@pytest.fixture(scope="module")
+def smoke_run(env, tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("smoke")
+    run_dir = cwd / "run"
+    proc = kdexp_run([*SMOKE, f"hydra.run.dir={run_dir}"], env, cwd)
+    return run_dir, proc
+
+
+def test_run_dir_holds_config_metrics_checkpoints_wandb_summary(smoke_run):
+    run_dir, proc = smoke_run
+    assert (run_dir / ".hydra" / "config.yaml").is_file() and (run_dir / "run.log").is_file()
+    s = summary(run_dir)
+    assert s["status"] == "finished" and s["steps"] == 6 and s["reused_from"] is None
+    for key in ("val/lm_loss", "val/kl_to_teacher", "val/top1_agreement", "train/kept_mass", "train/ghost_mass",
+                "train/nucleus_size", "perf/tokens_per_s", "train/loss"):
+        assert key in s["final"], key
+    assert 0.0 < s["final"]["train/kept_mass"] <= 1.0 and 0.0 <= s["final"]["val/top1_agreement"] <= 1.0
+    assert s["final"]["val/kl_to_teacher"] > 0
+    train = metrics(run_dir, "train")
+    assert [x["step"] for x in train] == [1, 2, 3, 4, 5, 6]
+    assert [x["step"] for x in metrics(run_dir, "val")] == [3, 6]
+    assert all(x["train/nucleus_size"] == pytest.approx(64) for x in train)  # Top-K 64, no top_p
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "6"
+    assert list((run_dir / "wandb").glob("offline-run-*")), "W&B offline run missing"
+    log = proc.stdout + proc.stderr
+    assert "stage teacher" in log and "kept" in log and "tok/s" in log and str(run_dir) in log
+
+
+def test_rerun_in_same_dir_does_not_retrain(smoke_run, env):
+    run_dir, _ = smoke_run
+    before = summary(run_dir)
+    proc = kdexp_run([*SMOKE, f"hydra.run.dir={run_dir}"], env, run_dir.parent)
+    assert "already finished" in proc.stdout + proc.stderr
+    assert summary(run_dir) == before
+
+
+def test_sigkill_then_resume_matches_uninterrupted(smoke_run, env, tmp_path):
+    reference, _ = smoke_run
+    run_dir = tmp_path / "killed"
+    args = [*SMOKE, f"hydra.run.dir={run_dir}", "trainer.checkpoint_interval=2"]
+    proc = kdexp_run(args, env, tmp_path, check=False, extra_env={"KDEXP_FAULT_AT_STEP": "5"})
+    assert proc.returncode == -9, proc.stderr[-3000:]  # SIGKILL after step 5, last checkpoint at step 4
+    assert not (run_dir / "summary.json").exists()
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "4"
+    kdexp_run(args, env, tmp_path)
+    assert comparable(summary(run_dir)["final"]) == pytest.approx(comparable(summary(reference)["final"]), rel=1e-5)
+    resumed = metrics(run_dir, "train")
+    assert [x["step"] for x in resumed] == [1, 2, 3, 4, 5, 6]  # the killed step 5 was dropped and redone
+    for a, b in zip(resumed, metrics(reference, "train")):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
+
+
+def test_torchrun_tensor_parallel_2_matches_tp1(smoke_run, env, tmp_path):
+    reference, _ = smoke_run
+    run_dir = tmp_path / "tp2"
+    kdexp_run([*SMOKE, f"hydra.run.dir={run_dir}", "parallel.tensor=2", "logger=none"], env, tmp_path, torchrun=2)
+    tp2, tp1 = metrics(run_dir, "train"), metrics(reference, "train")
+    assert len(tp2) == len(tp1) == 6
+    for a, b in zip(tp2, tp1):
+        for key in ("train/loss", "train/lm_loss", "train/kd_loss", "train/kept_mass"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
+    assert comparable(summary(run_dir)["final"]) == pytest.approx(comparable(summary(reference)["final"]),
+                                                                  rel=1e-4, abs=1e-5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tp2"]  # one run dir for both ranks
+
+
+def test_identical_sweep_rerun_retrains_nothing(env, tmp_path):
+    args = ["-m", *SMOKE, "trainer.max_steps=2", "trainer.eval_interval=2", "logger=none",
+            f"hydra.sweep.dir={tmp_path}/sweep_${{kdexp_stamp:}}", "balancer.alpha=0.5,1.0"]
+    kdexp_run(args, env, tmp_path)
+    kdexp_run(args, env, tmp_path)
+    first, second = sorted(tmp_path.glob("sweep_*"))
+    assert first != second  # every sweep gets its own directory
+    for num in ("0", "1"):
+        a, b = summary(first / num), summary(second / num)
+        assert a["reused_from"] is None and b["reused_from"] == str((first / num).resolve())
+        assert b["final"] == a["final"] and b["config_hash"] == a["config_hash"]
+        assert not (second / num / "checkpoints").exists()  # nothing was retrained
