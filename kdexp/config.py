@@ -195,6 +195,8 @@ def _model_shape(name: str, key: str):
 
 def _check_model(cfg: Any) -> None:
     m = cfg.model
+    _model_shape(m.teacher, "model.teacher")
+    _model_shape(m.student, "model.student")
     if m.params_dtype not in _DTYPES:
         _fail("model.params_dtype", m.params_dtype, f"must be one of {_DTYPES}")
     for key in ("teacher_path", "student_path"):
