@@ -197,3 +197,10 @@ def test_tp2_matches_transformers(ckpts, tmp_path):
     # The TP=2 save (gathered shards, un-fused QKV and gate/up) is a valid transformers checkpoint.
     back = Qwen3ForCausalLM.from_pretrained(tmp_path / "saved", attn_implementation="eager").eval()
     torch.testing.assert_close(_hf_logits(back, ids), ckpts["sharded"][1], rtol=0, atol=1e-5)
+
+
+def test_tiny_presets_are_gqa_and_run_at_tp2():
+    for name in ("tiny-teacher", "tiny-student"):
+        spec = QWEN3_SIZES[name]
+        assert spec.num_heads > spec.num_kv_heads and spec.tie_embeddings
+        check_tp(get_spec(name, vocab_size=4096), 2)

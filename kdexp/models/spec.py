@@ -63,8 +63,9 @@ QWEN3_SIZES: dict[str, Qwen3Spec] = {
     # CPU defaults: Qwen3-shaped (GQA, q/k norm, SwiGLU, tied), vocab replaced by the tokenizer's at build time.
     "tiny-teacher": Qwen3Spec(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
                               num_kv_heads=2, head_dim=64, tie_embeddings=True, max_position_embeddings=4096),
-    "tiny-student": Qwen3Spec(vocab_size=4096, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=2,
-                              num_kv_heads=1, head_dim=64, tie_embeddings=True, max_position_embeddings=4096),
+    # 4 query heads x 32 over 2 kv heads: same parameter count as 2x64 over 1, but still GQA at parallel.tensor=2.
+    "tiny-student": Qwen3Spec(vocab_size=4096, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=32, tie_embeddings=True, max_position_embeddings=4096),
 }
 
 
