@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from kdexp.distributed import cpu
 
-__all__ = ["DistState", "initialize", "state", "tp_group", "dp_group", "is_rank0", "destroy", "is_initialized"]
+__all__ = ["DistState", "initialize", "state", "tp_group", "dp_group", "is_rank0", "destroy", "is_initialized", "reseed"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,13 +143,8 @@ def initialize(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int =
     if not ps.model_parallel_is_initialized():
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     tp_rank = ps.get_tensor_model_parallel_rank()
-    if use_cuda:
-        mp_tensor_parallel.model_parallel_cuda_manual_seed(seed)
-        torch.manual_seed(seed)
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        cpu.model_parallel_manual_seed(seed, tp_rank=tp_rank)
-        device = torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    _seed(seed, tp_rank, use_cuda)
     _STATE = DistState(
         rank=rank, world_size=world, local_rank=local_rank,
         tp_size=ps.get_tensor_model_parallel_world_size(), tp_rank=tp_rank,
@@ -158,6 +153,21 @@ def initialize(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int =
         pp_size=ps.get_pipeline_model_parallel_world_size(), pp_rank=ps.get_pipeline_model_parallel_rank(),
         source=source)
     return _STATE
+
+
+def _seed(seed: int, tp_rank: int, use_cuda: bool) -> None:
+    if use_cuda:
+        mp_tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        torch.manual_seed(seed)
+    else:
+        cpu.model_parallel_manual_seed(seed, tp_rank=tp_rank)
+
+
+def reseed(seed: int) -> None:
+    """Reset torch's and megatron's model-parallel RNG streams, e.g. so a model's init does not depend on what was
+    built or trained before it in the same process."""
+    st = state()
+    _seed(seed, st.tp_rank, st.device.type == "cuda")
 
 
 def is_initialized() -> bool:

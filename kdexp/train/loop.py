@@ -105,7 +105,7 @@ def distill(cfg, run_dir: Path, *, resume_from: Optional[Path] = None, wandb_log
                    val_samples=t.eval_iters * global_batch,
                    tokenizer_path=cfg.data.tokenizer or cfg.model.teacher_path)
     teacher = get_teacher(cfg, data)
-    torch.manual_seed(t.seed)  # the student's init does not depend on whether the teacher was just trained
+    distributed.reseed(t.seed)  # the student's init must not depend on whether the teacher was just trained
     student = build_student(cfg, data.vocab_size)
     student.train()
     opt = optim.make_optimizer(student, lr=t.lr, weight_decay=t.weight_decay)
