@@ -122,7 +122,7 @@ def test_top_k_equal_vocab_is_dense(divergence):
     dense.sum().backward()
     full_k.sum().backward()
     torch.testing.assert_close(full_k, dense, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(s2.grad, s1.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(s2.grad, s1.grad, rtol=1e-5, atol=1e-6)
     # top_p=1.0 is no cut at all
     torch.testing.assert_close(logits_kd_loss(s, t, top_p=1.0, divergence=divergence), dense.detach())
 

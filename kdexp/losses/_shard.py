@@ -43,6 +43,17 @@ class Shard:
             dist.all_reduce(t, op=op, group=self.group)
         return t
 
+    def logsumexp_(self, x: torch.Tensor) -> torch.Tensor:
+        """log(sum over ranks of exp(x)) per element, for per-rank log-sum-exps x ([c]; -inf allowed)."""
+        if self.world == 1:
+            return x
+        m = x.clone()
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=self.group)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # all ranks -inf: exp(-inf - 0) = 0 -> -inf
+        s = (x - m).exp()
+        dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self.group)
+        return s.log() + m
+
     def any(self, flag: bool, device: torch.device) -> bool:
         """True on every rank when `flag` is True on any rank (a host sync; used only by the growing Top-P search)."""
         if self.world == 1:

@@ -47,40 +47,41 @@ def bucket_divergence(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor, div
     return loss, (1.0 - beta) * qbm
 
 
-def dense_forward_(xt: torch.Tensor, xs: torch.Tensor, lse_t, lse_s, divergence: str, beta: float):
-    """Local partial sums over the vocabulary of one chunk. xt, xs: [c, V_local] logits/T, DESTROYED.
+def _rowdot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """sum(x * y, -1) per row without a [c, V] temporary (a batched dot product)."""
+    return torch.bmm(x.unsqueeze(1), y.unsqueeze(2)).view(-1)
+
+
+def dense_forward_(a: torch.Tensor, b: torch.Tensor, divergence: str, beta: float):
+    """Local partial sums over the vocabulary of one chunk. a, b: [c, V_local] GLOBAL log-probs, DESTROYED.
 
     Returns [c, 2]: column 0 = partial loss, column 1 = the auxiliary sum the backward needs (jsd: sum q (b - m)).
     The caller all-reduces it over the TP group.
     """
-    out = xt.new_zeros(xt.shape[0], 2)
-    a = xt.sub_(lse_t[:, None])  # teacher log-probs, in place
-    b = xs.sub_(lse_s[:, None])  # student log-probs, in place
+    out = a.new_zeros(a.shape[0], 2)
     if divergence == "forward_kl":
-        b.neg_().add_(a)  # a - b
-        out[:, 0] = a.exp_().mul_(b).sum(-1)
+        d = torch.sub(a, b, out=b)
+        out[:, 0] = _rowdot(a.exp_(), d)
     elif divergence == "reverse_kl":
-        a.neg_().add_(b)  # b - a
-        out[:, 0] = b.exp_().mul_(a).sum(-1)
+        d = torch.sub(b, a, out=a)
+        out[:, 0] = _rowdot(b.exp_(), d)
     else:
         m = torch.logaddexp(a + math.log(beta), b + math.log1p(-beta))
         t = a - m
-        out[:, 0] = beta * t.mul_(a.exp_()).sum(-1)
+        out[:, 0] = beta * _rowdot(a.exp_(), t)
         torch.sub(b, m, out=t)
-        kqm = t.mul_(b.exp_()).sum(-1)
+        kqm = _rowdot(b.exp_(), t)
         out[:, 0] += (1.0 - beta) * kqm
         out[:, 1] = kqm
     return out
 
 
-def dense_backward_(xt: torch.Tensor, xs: torch.Tensor, lse_t, lse_s, loss, aux, divergence: str, beta: float):
-    """dL/d(logits/T) of one chunk, written into xs (returned). xt, xs: [c, V_local] logits/T, DESTROYED.
+def dense_backward_(a: torch.Tensor, b: torch.Tensor, loss, aux, divergence: str, beta: float):
+    """dL/d(logits/T) of one chunk from GLOBAL log-probs a, b ([c, V_local], DESTROYED); written into b.
 
     With dL/ds_i = g_i - q_i sum_j g_j (softmax chain rule) the sums have closed forms:
       forward_kl: q - p;   reverse_kl: q (b - a - L);   jsd: (1 - beta) q (b - m - sum q (b - m)).
     """
-    a = xt.sub_(lse_t[:, None])
-    b = xs.sub_(lse_s[:, None])
     if divergence == "forward_kl":
         return b.exp_().sub_(a.exp_())
     if divergence == "reverse_kl":

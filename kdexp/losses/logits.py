@@ -193,12 +193,13 @@ def _chunk_rows(n: int, shard: Shard, cdtype: torch.dtype, chunk_tokens: int | N
 
 
 def _load_(buf: torch.Tensor, raw: torch.Tensor, temperature: float) -> torch.Tensor:
-    """buf[:, :V] = raw / T in the compute dtype; the extra last column is a scratch slot at -inf."""
+    """buf[:, :V] = raw / T in the compute dtype; an extra last column, if any, is a scratch slot at -inf."""
     v = raw.shape[1]
     buf[:, :v].copy_(raw)
     if temperature != 1.0:
         buf[:, :v].div_(temperature)
-    buf[:, v] = -math.inf
+    if buf.shape[1] > v:
+        buf[:, v:] = -math.inf
     return buf
 
 
@@ -206,57 +207,77 @@ def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
-def _masked_lse_(buf: torch.Tensor, shard: Shard) -> torch.Tensor:
-    """log-sum-exp over the global vocabulary of the (already masked) scratch chunk; destroys buf. -inf if empty."""
-    m = buf.amax(1)
-    shard.all_reduce_(m, dist.ReduceOp.MAX)
-    m = _finite_or_zero(m)  # all-masked rows: exp(-inf - 0) = 0 -> log(0) = -inf, no NaN
-    s = buf.sub_(m[:, None]).exp_().sum(1)
-    shard.all_reduce_(s)
-    return s.log() + m
+# Fused row kernels: one pass over the chunk instead of max/sub/exp/sum passes. On CPU they run in place (ATen's
+# out= variants read each element before writing it); elsewhere they return a new chunk-sized tensor.
+def _log_softmax_(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cpu":
+        return torch.ops.aten._log_softmax.out(x, 1, False, out=x)
+    return torch.log_softmax(x, 1)
+
+
+def _softmax_(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cpu":
+        return torch.ops.aten._softmax.out(x, 1, False, out=x)
+    return torch.softmax(x, 1)
+
+
+def _lse_(x: torch.Tensor, shard: Shard):
+    """(global log-sum-exp [c], this rank's log-sum-exp [c], this rank's log-softmax). x is consumed.
+
+    -inf where every entry is masked; the log-softmax of such a row is NaN and must not be used."""
+    m, j = x.max(1)
+    out = _log_softmax_(x)
+    neg_inf = torch.full_like(m, -math.inf)
+    loc = torch.where(torch.isfinite(m), m - out.gather(1, j[:, None]).squeeze(1), neg_inf)
+    return shard.logsumexp_(loc), loc, out
 
 
 class _LogitsKD(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student, teacher, cfg: _Cfg, shard: Shard, stats):
         n, vl = student.shape
+        dev = student.device
         cd = _compute_dtype(student)
         rows = _chunk_rows(n, shard, cd, cfg.chunk_tokens)
         dense = cfg.top_k is None and cfg.top_p is None
-        loss = torch.empty(n, dtype=cd, device=student.device)
-        st = {f: torch.empty(n, dtype=cd, device=student.device) for f in KDStats._fields} if stats is not None else None
+        loss = torch.empty(n, dtype=cd, device=dev)
+        st = {f: torch.empty(n, dtype=cd, device=dev) for f in KDStats._fields} if stats is not None else None
         ctx.cfg, ctx.shard, ctx.rows, ctx.dense, ctx.cd = cfg, shard, rows, dense, cd
         if dense:
-            lse = torch.empty(2, n, dtype=cd, device=student.device)
-            aux = torch.empty(n, dtype=cd, device=student.device)
-            bt = torch.empty(rows, vl, dtype=cd, device=student.device)
+            shift = torch.zeros(2, n, dtype=cd, device=dev)  # local minus global log-sum-exp (0 without TP)
+            aux = torch.empty(n, dtype=cd, device=dev)
+            bt = torch.empty(rows, vl, dtype=cd, device=dev)
             bs = torch.empty_like(bt)
             for r0 in range(0, n, rows):
                 r = slice(r0, min(n, r0 + rows))
                 c = r.stop - r.start
-                xt = bt[:c].copy_(teacher[r])
-                xs = bs[:c].copy_(student[r])
-                if cfg.temperature != 1.0:
-                    xt.div_(cfg.temperature)
-                    xs.div_(cfg.temperature)
-                lse[:, r] = _dense_lse(xt, xs, shard)
-                part = shard.all_reduce_(dense_forward_(xt, xs, lse[0, r], lse[1, r], cfg.divergence, cfg.beta))
+                xt, xs = _load_(bt[:c], teacher[r], cfg.temperature), _load_(bs[:c], student[r], cfg.temperature)
+                if shard.world == 1:
+                    a, b = _log_softmax_(xt), _log_softmax_(xs)
+                else:
+                    lse_t, loc_t, a = _lse_(xt, shard)
+                    lse_s, loc_s, b = _lse_(xs, shard)
+                    shift[0, r], shift[1, r] = loc_t - lse_t, loc_s - lse_s
+                    a.add_(shift[0, r, None])
+                    b.add_(shift[1, r, None])
+                part = shard.all_reduce_(dense_forward_(a, b, cfg.divergence, cfg.beta))
                 loss[r], aux[r] = part[:, 0], part[:, 1]
             ctx.save_for_backward(student, teacher)
-            ctx.lse, ctx.aux, ctx.raw_loss = lse, aux, loss.clone()
+            ctx.shift, ctx.aux, ctx.raw_loss = shift, aux, loss.clone()
             if st is not None:
                 st["teacher_kept_mass"].fill_(1.0)
                 st["student_kept_mass"].fill_(1.0)
                 st["nucleus_size"].fill_(shard.vocab)
                 st["ghost_mass"].zero_()
         else:
-            buf = torch.empty(rows, vl + 1, dtype=cd, device=student.device)
+            buf = torch.empty(rows, vl + 1, dtype=cd, device=dev)
             chunks = []
             for r0 in range(0, n, rows):
                 r = slice(r0, min(n, r0 + rows))
-                out = _sparse_forward_chunk(student[r], teacher[r], buf[: r.stop - r.start], cfg, shard, cd)
+                out = _sparse_forward_chunk(student[r], teacher[r], buf[: r.stop - r.start], cfg, shard, cd,
+                                            st is not None)
                 loss[r] = out["loss"]
-                chunks.append((r, out["gidx"], out["keep"], out["cand_grad"], out["coef"], out["lns"]))
+                chunks.append((r, out["gidx"], out["keep"], out["cand_grad"], out["coef"]))
                 if st is not None:
                     for f in KDStats._fields:
                         st[f][r] = out[f]
@@ -273,66 +294,68 @@ class _LogitsKD(torch.autograd.Function):
         cfg, shard, rows, cd = ctx.cfg, ctx.shard, ctx.rows, ctx.cd
         student = ctx.saved_tensors[0]
         n, vl = student.shape
-        grad = torch.empty_like(student, memory_format=torch.contiguous_format)
+        dev = student.device
+        grad = torch.empty(n, vl, dtype=student.dtype, device=dev)
         scale = grad_out.reshape(-1).to(cd) * (cfg.loss_scale / cfg.temperature)
         if ctx.dense:
             teacher = ctx.saved_tensors[1]
-            bt = torch.empty(rows, vl, dtype=cd, device=student.device)
+            bt = torch.empty(rows, vl, dtype=cd, device=dev)
             bs = torch.empty_like(bt)
             for r0 in range(0, n, rows):
                 r = slice(r0, min(n, r0 + rows))
                 c = r.stop - r.start
-                xt, xs = bt[:c].copy_(teacher[r]), bs[:c].copy_(student[r])
-                if cfg.temperature != 1.0:
-                    xt.div_(cfg.temperature)
-                    xs.div_(cfg.temperature)
-                g = dense_backward_(xt, xs, ctx.lse[0, r], ctx.lse[1, r], ctx.raw_loss[r], ctx.aux[r],
-                                    cfg.divergence, cfg.beta)
-                grad[r].copy_(g.mul_(scale[r, None]))
-        else:
-            buf = None
-            for r, gidx, keep, cand_grad, coef, lns in ctx.chunks:
-                c = r.stop - r.start
-                lidx, _ = shard.local_index(gidx, keep)
-                if coef is None:  # renormalize: the loss depends on the kept logits only
-                    x = torch.zeros(c, vl + 1, dtype=cd, device=student.device)
+                xt, xs = _load_(bt[:c], teacher[r], cfg.temperature), _load_(bs[:c], student[r], cfg.temperature)
+                if cfg.divergence == "forward_kl":  # q - p straight from the fused softmax
+                    p, q = _softmax_(xt), _softmax_(xs)
+                    if shard.world > 1:
+                        p.mul_(ctx.shift[0, r, None].exp())
+                        q.mul_(ctx.shift[1, r, None].exp())
+                    g = q.sub_(p)
                 else:
-                    if buf is None:
-                        buf = torch.empty(rows, vl + 1, dtype=cd, device=student.device)
-                    x = _load_(buf[:c], student[r], cfg.temperature)
-                    x.scatter_(1, lidx, -math.inf)
-                    x.sub_(_finite_or_zero(lns)[:, None]).exp_().mul_(coef[:, None])
-                x.scatter_(1, lidx, cand_grad)  # entries not owned / not kept land in the scratch column
-                grad[r].copy_(x[:, :vl].mul_(scale[r, None]))
+                    a, b = _log_softmax_(xt), _log_softmax_(xs)
+                    if shard.world > 1:
+                        a.add_(ctx.shift[0, r, None])
+                        b.add_(ctx.shift[1, r, None])
+                    g = dense_backward_(a, b, ctx.raw_loss[r], ctx.aux[r], cfg.divergence, cfg.beta)
+                torch.mul(g, scale[r, None], out=grad[r])
+            return grad, None, None, None, None
+        buf = torch.empty(rows, vl + 1, dtype=cd, device=dev)
+        for r, gidx, keep, cand_grad, coef in ctx.chunks:
+            c = r.stop - r.start
+            lidx, _ = shard.local_index(gidx, keep)
+            sc = scale[r, None]
+            if coef is None:  # renormalize: the loss depends on the kept logits only
+                x = buf[:c].zero_()
+            else:
+                x = _load_(buf[:c], student[r], cfg.temperature).scatter_(1, lidx, -math.inf)
+                # softmax over this rank's entries outside S = exp(s - lse_loc); coef[1] = exp(lse_loc - lse_notS).
+                # Rows whose local entries are all in S come out NaN and are overwritten whole by the scatter.
+                x = _softmax_(x).mul_(coef[0][:, None] * sc)
+            x.scatter_(1, lidx, cand_grad * sc)  # entries not owned / not kept land in the scratch column
+            grad[r].copy_(x[:, :vl])
         return grad, None, None, None, None
 
 
-def _dense_lse(xt: torch.Tensor, xs: torch.Tensor, shard: Shard) -> torch.Tensor:
-    """[2, c] global log-sum-exp of a teacher and a student chunk (not modified), one MAX and one SUM collective."""
-    m = torch.stack([xt.amax(1), xs.amax(1)])
-    shard.all_reduce_(m, dist.ReduceOp.MAX)
-    tmp = torch.sub(xt, m[0, :, None])
-    s0 = tmp.exp_().sum(1)
-    s1 = torch.sub(xs, m[1, :, None], out=tmp).exp_().sum(1)
-    s = shard.all_reduce_(torch.stack([s0, s1]))
-    return s.log() + m
-
-
-def _sparse_forward_chunk(student, teacher, buf, cfg: _Cfg, shard: Shard, cd):
+def _sparse_forward_chunk(student, teacher, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool):
     """One chunk of the Top-K / Top-P loss. Returns the loss, stats and the O(K) values the backward needs."""
     c, vl = student.shape
     neg_inf = torch.tensor(-math.inf, dtype=cd, device=student.device)
     growing = cfg.top_k is None  # Top-P over the whole vocabulary: grow the candidate set until the nucleus fits
+    # Renormalised Top-K needs neither full-vocabulary normaliser (only for the stats).
+    need_t = cfg.top_p is not None or not cfg.renormalize or want_stats
+    need_s = not cfg.renormalize or want_stats
     k = cfg.top_k if cfg.top_k is not None else min(shard.vocab, max(cfg.min_k, TOP_P_INITIAL_K))
     while True:
         vals, gidx = shard.global_topk(teacher, k, cfg.temperature, cd)
+        keep = torch.ones_like(vals, dtype=torch.bool)
+        if not need_t:
+            a = vals  # unnormalised: only differences within S matter below
+            break
         lidx, _ = shard.local_index(gidx)
-        xt = _load_(buf, teacher, cfg.temperature).scatter_(1, lidx, -math.inf)
-        lc_t = _masked_lse_(xt, shard)  # teacher log-sum-exp over the non-candidates
-        lse_t = torch.logsumexp(torch.cat([lc_t[:, None], vals], 1), 1)
+        lc_t = _lse_(_load_(buf, teacher, cfg.temperature).scatter_(1, lidx, -math.inf), shard)[0]
+        lse_t = torch.logsumexp(torch.cat([lc_t[:, None], vals], 1), 1)  # non-candidates + candidates
         a = vals - lse_t[:, None]
         if cfg.top_p is None:
-            keep = torch.ones_like(a, dtype=torch.bool)
             break
         p = a.double().exp()  # float64 cumsum: the cut must not depend on rounding over thousands of terms
         cum = p.cumsum(1)
@@ -343,30 +366,26 @@ def _sparse_forward_chunk(student, teacher, buf, cfg: _Cfg, shard: Shard, cd):
         if not shard.any(bool((cum[:, -1] < cfg.top_p + 1e-6).any()), a.device):
             break
         k = min(shard.vocab, 4 * k)
-    # Teacher residual: non-candidates plus candidates outside the nucleus.
-    lr_t = torch.logsumexp(torch.cat([lc_t[:, None], torch.where(keep, neg_inf, vals)], 1), 1) - lse_t
+    if need_t:  # teacher residual: non-candidates plus candidates outside the nucleus
+        lr_t = torch.logsumexp(torch.cat([lc_t[:, None], torch.where(keep, neg_inf, vals)], 1), 1) - lse_t
     if growing:  # keep is a prefix: drop the columns no token keeps (the candidate set may be far wider)
         kk = int(keep.sum(1).max())
         vals, gidx, a, keep = vals[:, :kk], gidx[:, :kk], a[:, :kk], keep[:, :kk]
 
-    # Student: kept log-probs gathered from the owning ranks, and the log-sum-exp outside S.
+    # Student: kept logits gathered from the owning ranks (zeros elsewhere, then SUM), log-sum-exp outside S.
     lidx, owned = shard.local_index(gidx, keep)
     sv = student.gather(1, lidx.clamp_max(vl - 1)).to(cd)
     if cfg.temperature != 1.0:
         sv = sv / cfg.temperature
-    sv = torch.where(owned, sv, torch.zeros_like(sv))
-    xs = _load_(buf, student, cfg.temperature).scatter_(1, lidx, -math.inf)
-    m = xs.amax(1)
-    shard.all_reduce_(m, dist.ReduceOp.MAX)
-    m = _finite_or_zero(m)
-    packed = torch.cat([xs.sub_(m[:, None]).exp_().sum(1, keepdim=True), sv], 1)
-    shard.all_reduce_(packed)  # one SUM: the outside sum and the kept values (each owned by exactly one rank)
-    lns = packed[:, 0].log() + m  # student log-sum-exp over V \ S
-    sv = torch.where(keep, packed[:, 1:], neg_inf)
-    lse_s = torch.logsumexp(torch.cat([lns[:, None], sv], 1), 1)
-    b = sv - lse_s[:, None]
-    lr_s = lns - lse_s
+    sv = torch.where(keep, shard.all_reduce_(torch.where(owned, sv, torch.zeros_like(sv))), neg_inf)
     a_kept = torch.where(keep, a, neg_inf)
+    if need_s:
+        lns, lns_loc, _ = _lse_(_load_(buf, student, cfg.temperature).scatter_(1, lidx, -math.inf), shard)
+        lse_s = torch.logsumexp(torch.cat([lns[:, None], sv], 1), 1)
+        b = sv - lse_s[:, None]
+        lr_s = lns - lse_s
+    else:
+        b = sv
 
     if cfg.renormalize:
         a_r = a_kept - torch.logsumexp(a_kept, 1, keepdim=True)
@@ -385,9 +404,11 @@ def _sparse_forward_chunk(student, teacher, buf, cfg: _Cfg, shard: Shard, cd):
             h = torch.zeros_like(loss)
         gsum = g.sum(1) + h
         cand_grad = g - b.exp() * gsum[:, None]
-        coef = h - gsum * lr_s.exp()
-    return {
-        "loss": loss, "gidx": gidx, "keep": keep, "cand_grad": cand_grad, "coef": coef, "lns": lns,
-        "teacher_kept_mass": torch.logsumexp(a_kept, 1).exp(), "student_kept_mass": torch.logsumexp(b, 1).exp(),
-        "nucleus_size": keep.sum(1).to(cd), "ghost_mass": lr_t.exp(),
-    }
+        # Outside S: dL/ds_i = exp(s_i - lse_notS) (h - G r_s) = softmax_loc(s)_i * exp(lse_loc - lse_notS) (h - G r_s)
+        coef = (torch.where(torch.isfinite(lns), (h - gsum * lr_s.exp()) * (lns_loc - lns).exp(),
+                            torch.zeros_like(lns)),)
+    out = {"loss": loss, "gidx": gidx, "keep": keep, "cand_grad": cand_grad, "coef": coef}
+    if want_stats:
+        out.update(teacher_kept_mass=torch.logsumexp(a_kept, 1).exp(), student_kept_mass=torch.logsumexp(b, 1).exp(),
+                   nucleus_size=keep.sum(1).to(cd), ghost_mass=lr_t.exp())
+    return out
