@@ -223,12 +223,17 @@ def test_indexed_source_with_saved_tokenizer(tmp_path, small):
     p1, p2 = str(tmp_path / "a"), str(tmp_path / "b")
     tokenize_to_indexed(p1, texts_train[: len(texts_train) // 2], loaded)
     tokenize_to_indexed(p2, texts_train[len(texts_train) // 2:], loaded)
-    cfg = {"name": "indexed", "prefixes": [p1], "split": "90,10,0", "tokenizer": str(hf_dir)}
+    cfg = {"name": "indexed", "prefixes": [p1], "split": "969,30,1", "tokenizer": str(hf_dir)}
+    # ~10 documents cannot give 3% to validation: a clear error instead of megatron's endless loop.
+    with pytest.raises(ValueError, match="data.split.*validation"):
+        prepare(cfg, seq_length=SEQ, cache_dir=tmp_path / "c", seed=3, train_samples=50, val_samples=5)
+    cfg["split"] = "70,30,1"  # the test share is dropped, not built
     one = prepare(cfg, seq_length=SEQ, cache_dir=tmp_path / "c", seed=3, train_samples=50, val_samples=5)
     assert one.vocab_size == tok.vocab_size and one.info["source"] == "indexed"
     item = one.train_ds[0]
     assert item["tokens"].shape == (SEQ,) and item["labels"][:-1].tolist() == item["tokens"][1:].tolist()
-    blend = {"name": "indexed", "blend": ["0.3", p1, "0.7", p2], "split": "90,10,0"}
+    # The config's own spelling: weights inline in data.prefixes, as numbers.
+    blend = {"name": "indexed", "prefixes": [0.3, p1, 0.7, p2], "split": "70,30"}
     mixed = prepare(blend, seq_length=SEQ, cache_dir=tmp_path / "c", seed=3, train_samples=50,
                     val_samples=5, tokenizer_path=str(hf_dir))
     assert len(mixed.train_ds) >= 50 and mixed.train_ds[0]["tokens"].shape == (SEQ,)

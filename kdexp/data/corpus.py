@@ -34,8 +34,8 @@ from pathlib import Path
 __all__ = ["Document", "embedded_corpus", "embedded_documents", "corpus_fingerprint",
            "DEFAULT_MAX_CHARS", "DEFAULT_VAL_FRACTION"]
 
-DEFAULT_MAX_CHARS = 3_000_000
-DEFAULT_VAL_FRACTION = 0.04
+DEFAULT_MAX_CHARS = 4_000_000
+DEFAULT_VAL_FRACTION = 0.03
 
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__",
                   "encodings", "lib2to3"}

@@ -51,6 +51,8 @@ class DataBundle:
     vocab_size: int          # embedding rows the models need (>= tokenizer.vocab_size)
     seq_length: int
     info: dict = field(default_factory=dict)   # paths and sizes, for logs
+    fingerprint: str = ""    # sha256 naming the tokenizer + token data: put it in keys of caches built on them
+
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -158,6 +160,39 @@ def _blend(key: str, items: list[str]):
     return [os.path.abspath(os.path.expanduser(p)) for p in prefixes], weights
 
 
+def _file_id(prefix: str) -> list:
+    """Cheap identity of an indexed dataset (its .idx size and mtime; .bin size) without reading it."""
+    idx, bin_ = os.stat(f"{prefix}.idx"), os.stat(f"{prefix}.bin")
+    return [idx.st_size, idx.st_mtime_ns, bin_.st_size]
+
+
+def _train_valid_split(split: Any, blend) -> str:
+    """data.split ("969,30,1") -> megatron split string without the test share, checked against the data.
+
+    kdexp has no test stage, so the test share is dropped (train and validation keep their ratio) rather than
+    built. Every used share must hold at least one document of every prefix: megatron-core 0.16 loops forever
+    on a split with no tokens (GPTDataset._get_num_epochs).
+    """
+    import re
+
+    text = ",".join(str(v) for v in _plain(split)) if isinstance(_plain(split), (list, tuple)) else str(split)
+    parts = re.findall(r"[.0-9]+", text)
+    weights = [float(v) for v in parts] + [0.0] * (3 - len(parts))
+    if len(parts) == 0 or len(weights) > 3 or weights[0] <= 0 or weights[1] <= 0:
+        raise ValueError(f"data.split must be 'train,valid[,test]' with train > 0 and valid > 0, got {split!r}")
+    train, valid = weights[0] / (weights[0] + weights[1]), weights[1] / (weights[0] + weights[1])
+    from kdexp.data.indexed import read_indexed
+
+    for prefix in blend[0]:
+        n = len(read_indexed(prefix))
+        n_train = int(round(train * n))
+        if n_train < 1 or n - n_train < 1:
+            raise ValueError(f"data.split={split!r} leaves no document of {prefix!r} ({n} documents) for "
+                             f"{'training' if n_train < 1 else 'validation'}; use a larger share or "
+                             f"data.valid_prefixes")
+    return f"{train!r},{valid!r},0"
+
+
 def _indexed_sources(data_cfg, tokenizer_path) -> tuple[Tokenizer, Any, Any, int, dict]:
     tok_path = _get(data_cfg, "tokenizer", None) or tokenizer_path
     if tok_path is None:
@@ -218,9 +253,12 @@ def prepare(data_cfg, *, seq_length: int, cache_dir=None, seed: int = 1234, trai
     if name == "stdlib":
         tokenizer, blend, blend_per_split, vocab, info = _stdlib_sources(data_cfg, root, tokenizer_path)
         split = None
+        data_id = Path(info["tokens"]).name  # itself a hash of corpus, tokenizer and split
     elif name == "indexed":
         tokenizer, blend, blend_per_split, vocab, info = _indexed_sources(data_cfg, tokenizer_path)
-        split = str(_get(data_cfg, "split", "98,2,0")) if blend is not None else None
+        split = _train_valid_split(_get(data_cfg, "split", "98,2,0"), blend) if blend is not None else None
+        data_id = [split, [(p, w, _file_id(p)) for b in ([blend] if blend else blend_per_split[:2])
+                           for p, w in zip(b[0], b[1] or [None] * len(b[0]))]]
     else:
         raise ValueError(f"data.name must be 'stdlib' or 'indexed', got {name!r}")
 
@@ -261,7 +299,9 @@ def prepare(data_cfg, *, seq_length: int, cache_dir=None, seed: int = 1234, trai
         raise ValueError(f"validation data gives no sample of seq_length={seq_length}: lower seq_length or "
                          f"raise data.val_fraction / data.split")
     info.update(train_samples=len(train_ds), val_samples=len(val_ds), gpt_index=str(index_cache))
-    return DataBundle(tokenizer, train_ds, val_ds, int(vocab), int(seq_length), info)
+    fingerprint = _cache.cache_key({"tokenizer": tokenizer.sha256, "eod": tokenizer.eod, "data": data_id,
+                                    "seq_length": int(seq_length), "seed": int(seed)})
+    return DataBundle(tokenizer, train_ds, val_ds, int(vocab), int(seq_length), info, fingerprint)
 
 
 # ---------------------------------------------------------------------------------------------------- batches

@@ -56,7 +56,9 @@ class Tokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Like `encode` on each text, but parallel in Rust (tokenizers' thread pool)."""
-        return [enc.ids for enc in self.backend.encode_batch(list(texts), add_special_tokens=False)]
+        # encode_batch_fast (tokenizers >= 0.21) skips the character offsets we never use.
+        encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        return [enc.ids for enc in encode(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
