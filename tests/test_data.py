@@ -340,3 +340,26 @@ def test_two_processes_build_once_and_split_batches(tmp_path):
     s0 = {tuple(row) for b in r0["batches"] for row in b}
     s1 = {tuple(row) for b in r1["batches"] for row in b}
     assert len(s0) == len(s1) == 10 and not s0 & s1
+
+
+def test_preprocess_cli_matches_direct_tokenization(tmp_path, small):
+    from kdexp.data.preprocess import main
+
+    tok = small[0].tokenizer
+    tok.save(tmp_path / "tok")
+    texts = ["def f(x):\n    return x + 1\n", "Ünïcode prose.\n\nTwo paragraphs.", "", "print('hi')"]
+    with open(tmp_path / "a.jsonl", "w") as f:
+        for t in texts[:3]:
+            f.write(json.dumps({"text": t}) + "\n")
+    (tmp_path / "b.txt").write_text(texts[3])
+    prefix = tmp_path / "out" / "corpus"
+    assert main(["--input", str(tmp_path / "a.jsonl"), str(tmp_path / "b.txt"), "--tokenizer",
+                 str(tmp_path / "tok"), "--output-prefix", str(prefix)]) == 0
+    ds = read_indexed(prefix)
+    expected = [tok.encode(t) + [tok.eod] for t in texts if t]  # the empty document is skipped
+    assert [ds[i].tolist() for i in range(len(ds))] == expected
+    assert sorted(p.name for p in prefix.parent.iterdir()) == ["corpus.bin", "corpus.idx"]
+    with pytest.raises(ValueError, match="body"):
+        main(["--input", str(tmp_path / "a.jsonl"), "--tokenizer", str(tmp_path / "tok"), "--output-prefix",
+              str(tmp_path / "x"), "--json-key", "body"])
+    assert not list(tmp_path.glob(".x.tmp-*"))
