@@ -62,18 +62,19 @@ class Shard:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
 
-    def global_topk(self, raw: torch.Tensor, k: int, temperature: float, cdtype: torch.dtype):
-        """Teacher's global top-k of one chunk: (values/T in cdtype, global indices), sorted descending.
+    def global_topk(self, raw: torch.Tensor, k: int, temperature: float, cdtype: torch.dtype, sort: bool):
+        """Teacher's global top-k of one chunk: (values/T in cdtype, global indices), sorted descending if `sort`.
 
         Each rank takes its local top-min(k, local_vocab); the union (all_gather of values and global indices) holds the
         global top-k, which a second topk extracts. topk on the raw logits orders exactly like topk on logits/T (T > 0).
+        The full-vocabulary topk runs unsorted (a quarter cheaper on CPU); only the k winners get sorted.
         """
-        lv, li = torch.topk(raw, min(k, self.local_vocab), dim=-1, sorted=True)
+        lv, li = torch.topk(raw, min(k, self.local_vocab), dim=-1, sorted=False)
         lv = lv.to(cdtype)
         if temperature != 1.0:
             lv = lv / temperature
         if self.world == 1:
-            return lv, li
+            return _sorted(lv, li) if sort else (lv, li)
         li = li + self.offset
         # One all_gather for values and indices: float64 holds both exactly (indices < 2**53).
         packed = torch.stack([lv.double(), li.double()], dim=-1)
@@ -86,7 +87,7 @@ class Shard:
         parts = [torch.empty_like(packed) for _ in range(self.world)]
         dist.all_gather(parts, packed, group=self.group)
         union = torch.cat(parts, dim=1)
-        vals, pos = torch.topk(union[..., 0], k, dim=-1, sorted=True)
+        vals, pos = torch.topk(union[..., 0], k, dim=-1, sorted=sort)
         gidx = union[..., 1].gather(1, pos).long()
         return vals.to(cdtype), gidx
 
@@ -97,3 +98,8 @@ class Shard:
         if keep is not None:
             owned = owned & keep
         return torch.where(owned, lidx, torch.full_like(lidx, self.local_vocab)), owned
+
+
+def _sorted(vals: torch.Tensor, idx: torch.Tensor):
+    vals, order = torch.sort(vals, dim=-1, descending=True)
+    return vals, idx.gather(-1, order)

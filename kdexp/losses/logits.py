@@ -225,10 +225,11 @@ def _lse_(x: torch.Tensor, shard: Shard):
     """(global log-sum-exp [c], this rank's log-sum-exp [c], this rank's log-softmax). x is consumed.
 
     -inf where every entry is masked; the log-softmax of such a row is NaN and must not be used."""
-    m, j = x.max(1)
+    m = x.amax(1)
     out = _log_softmax_(x)
-    neg_inf = torch.full_like(m, -math.inf)
-    loc = torch.where(torch.isfinite(m), m - out.gather(1, j[:, None]).squeeze(1), neg_inf)
+    # out = x - m - log(sum exp(x - m)): its row max is exactly -log(sum ...), so lse = m - max(out). Two cheap
+    # reductions instead of a max-with-index pass and a gather.
+    loc = torch.where(torch.isfinite(m), m - out.amax(1), torch.full_like(m, -math.inf))
     return shard.logsumexp_(loc), loc, out
 
 
@@ -346,7 +347,7 @@ def _sparse_forward_chunk(student, teacher, buf, cfg: _Cfg, shard: Shard, cd, wa
     need_s = not cfg.renormalize or want_stats
     k = cfg.top_k if cfg.top_k is not None else min(shard.vocab, max(cfg.min_k, TOP_P_INITIAL_K))
     while True:
-        vals, gidx = shard.global_topk(teacher, k, cfg.temperature, cd)
+        vals, gidx = shard.global_topk(teacher, k, cfg.temperature, cd, sort=cfg.top_p is not None)
         keep = torch.ones_like(vals, dtype=torch.bool)
         if not need_t:
             a = vals  # unnormalised: only differences within S matter below
