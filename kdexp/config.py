@@ -61,6 +61,8 @@ class DataConfig:
     prefixes: List[str] = field(default_factory=list)  # indexed: Megatron .bin/.idx prefixes (optionally weighted)
     tokenizer: Optional[str] = None  # indexed: dir with tokenizer.json (default: model.teacher_path)
     split: str = "969,30,1"  # indexed: train,valid,test split of each prefix
+    valid_prefixes: List[str] = field(default_factory=list)  # indexed: separate validation data (then no split)
+    max_documents: Optional[int] = None  # stdlib: cap on the number of documents
 
 
 @dataclass

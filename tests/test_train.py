@@ -123,7 +123,7 @@ def test_torchrun_tensor_parallel_2_matches_tp1(smoke_run, env, tmp_path):
 
 def test_identical_sweep_rerun_retrains_nothing(env, tmp_path):
     args = ["-m", *SMOKE, "trainer.max_steps=2", "trainer.eval_interval=2", "logger=none",
-            f"hydra.sweep.dir={tmp_path}/sweep_${{kdexp_stamp:}}", "balancer.alpha=0.5,1.0"]
+            f"hydra.sweep.dir={tmp_path}/sweep_${{kdexp_uid:}}", "balancer.alpha=0.5,1.0"]
     kdexp_run(args, env, tmp_path)
     kdexp_run(args, env, tmp_path)
     first, second = sorted(tmp_path.glob("sweep_*"))
