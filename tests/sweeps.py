@@ -67,7 +67,7 @@ def run_tiny_sweep(sweep_dir: Path, *, cache_dir: Path, extra: tuple[str, ...] =
                    timeout: float = 1800) -> subprocess.CompletedProcess:
     """A real multirun of the tiny default: balancer.alpha=0.0,1.0 (two finished points) plus alpha=1.5, which the
     config validation rejects inside the job, so the sweep also has a real failed point. Returns the process."""
-    env = {**os.environ, "KDEXP_CACHE": str(cache_dir), "WANDB_MODE": "disabled", "PYTHONHASHSEED": "0"}
+    env = {**os.environ, "KDEXP_CACHE": str(cache_dir), "WANDB_MODE": "disabled"}
     cmd = [sys.executable, "-m", "kdexp.run", "-m", "experiment=smoke", "logger=none",
            "trainer.max_steps=4", "trainer.eval_interval=2", "trainer.eval_iters=1", "trainer.log_interval=1",
            "trainer.checkpoint_interval=4", "balancer.alpha=0.0,1.0,1.5", f"hydra.sweep.dir={sweep_dir}", *extra]
@@ -106,3 +106,15 @@ def expected_real_points(sweep_dir: Path) -> dict:
         out[alpha] = {"status": point["status"], "error": point.get("error"), "run_dir": run_dir,
                       "final": (summary or {}).get("final"), "last": last}
     return out
+
+
+def checked_real_points(sweep_dir: Path, proc: subprocess.CompletedProcess) -> dict:
+    """expected_real_points, after checking the sweep did what the tests rely on: alpha 0.0 and 1.0 finished, 1.5
+    failed in validation. Otherwise the assertion shows each point's error and the sweep's output."""
+    points = expected_real_points(sweep_dir)
+    statuses = {a: p["status"] for a, p in points.items()}
+    detail = (f"sweep rc={proc.returncode} statuses={statuses}\n"
+              + "".join(f"alpha={a}: {p['error']}\n" for a, p in points.items() if p["error"])
+              + f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}")
+    assert statuses == {0.0: "finished", 1.0: "finished", 1.5: "failed"}, detail
+    return points
