@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import subprocess
 import sys
@@ -11,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kdexp.report import (arms_table, best_points, find_run_dirs, load_sweep, load_wandb_group, points_table,
-                          to_html, to_markdown, write_report)
+from kdexp.report import (arms_table, best_points, find_run_dirs, latest_sweep, load_sweep, load_wandb_group,
+                          points_table, to_html, to_markdown, write_report)
 from kdexp.report.__main__ import main as report_main
 from kdexp.report.tables import swept_text
 from sweeps import REPO, tiny_config, write_run_dir
@@ -135,7 +136,8 @@ def test_override_and_resolved_values(tmp_path):
     for num, lr in enumerate(("1e-3", "2e-3")):
         config = tiny_config(0.9, "topk")
         config["trainer"].update(lr=float(lr), min_lr=0.0002 if num == 0 else "${trainer.lr}")
-        overrides = [f"trainer.lr={lr}"] + (["trainer.min_lr=$\\{trainer.lr\\}"] if num == 1 else [])  # as Hydra saves it
+        # point 1 also sets min_lr to an interpolation, escaped as Hydra saves it in overrides.yaml
+        overrides = [f"trainer.lr={lr}"] + (["trainer.min_lr=$\\{trainer.lr\\}"] if num == 1 else [])
         write_run_dir(root / str(num), overrides=overrides, config=config, num=num,
                       **finished_kwargs(FINISHED[(0.0, "topk")]))
     sweep = load_sweep(root)
@@ -163,6 +165,20 @@ def test_nested_points_and_skipped_dirs(tmp_path):
     sweep = load_sweep(root)
     assert [p.name for p in sweep.points] == ["a/0", "a/1", "b/0"]
     assert [p.params["balancer.alpha"] for p in sweep.points] == [0.0, 0.5, 1.0]
+
+
+def test_latest_sweep_is_the_newest(tmp_path):
+    base = tmp_path / "multirun"
+    # the newest by modification time, whatever the names say
+    mtimes = {"2026-12-01/10-00-00-aaaaaa": 1_000_000, "2026-12-02/09-00-00-bbbbbb": 999_900,
+              "2026-11-30/23-00-00-cc": 1_000_200}
+    for name, mtime in mtimes.items():
+        (base / name).mkdir(parents=True)
+        (base / name / "sweep.json").write_text("{}")
+        os.utime(base / name, (mtime, mtime))
+    assert latest_sweep(base) == base / "2026-11-30/23-00-00-cc"
+    with pytest.raises(FileNotFoundError, match="KDEXP_SWEEP_DIR"):
+        latest_sweep(tmp_path / "nothing")
 
 
 def test_single_run_dir(tmp_path):

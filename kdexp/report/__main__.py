@@ -16,9 +16,10 @@ USAGE_EXAMPLES = """examples:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m kdexp.report", epilog=USAGE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Turn a kdexp sweep (or one run) into an ablation report: a table of every point (swept values, "
-                    "final metrics, status and errors), the best point per metric, the arms side by side, loss "
-                    "curves and each metric against each swept parameter.")
+        description="Turn a kdexp sweep (or one run) into an ablation report in SWEEP_DIR/report/: report.md,\n"
+                    "index.html and PNG plots. A table of every point (swept values, final metrics, status, errors),\n"
+                    "the best point per metric, the arms side by side, loss curves, each metric against each swept\n"
+                    "parameter.")
     p.add_argument("sweep_dir", nargs="?", metavar="SWEEP_DIR",
                    help="a Hydra sweep dir (points are found recursively) or a run dir")
     p.add_argument("--out", metavar="DIR", help="output dir (default: SWEEP_DIR/report)")

@@ -340,8 +340,9 @@ def latest_sweep(*bases: str | Path) -> Path:
     """The most recent sweep (a dir holding sweep.json or multirun.yaml) under ``bases`` (default: multirun/ here
     or one level up, as seen from notebooks/)."""
     bases = bases or ("multirun", "../multirun")
-    candidates = [p.parent for b in bases if Path(b).is_dir()
-                  for pattern in ("sweep.json", "multirun.yaml") for p in Path(b).rglob(pattern)]
+    # multirun/<date>/<time-id>/sweep.json: a few levels deep, never into the points' checkpoints
+    patterns = [f"{'*/' * depth}{name}" for depth in range(4) for name in ("sweep.json", "multirun.yaml")]
+    candidates = [p.parent for b in bases if Path(b).is_dir() for pattern in patterns for p in Path(b).glob(pattern)]
     if not candidates:
         raise FileNotFoundError(f"no sweep (sweep.json or multirun.yaml) under {', '.join(map(str, bases))}; "
                                 "set KDEXP_SWEEP_DIR to a sweep dir")
