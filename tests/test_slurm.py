@@ -35,13 +35,13 @@ def slurm_cluster():
 
 def _cancel_jobs(root: Path) -> None:
     """Cancel what a test left on the cluster: job ids are the names of submitit's per-job folders."""
-    ids = {p.name.split("_")[0] for p in root.glob("*/*/.submitit/*") if p.name[:1].isdigit()}
+    ids = {p.name.split("_")[0] for p in root.rglob(".submitit/*") if p.name[:1].isdigit()}
     if ids:
         subprocess.run(["scancel", *sorted(ids)], capture_output=True, timeout=60)
 
 
 def _diagnostics(root: Path) -> str:
-    logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(root.glob("*/*/.submitit/*/*.out")))
+    logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for p in sorted(root.rglob(".submitit/*/*.out")))
     q = subprocess.run(["squeue", "-l"], capture_output=True, text=True).stdout
     return f"squeue:\n{q}\n{logs}"
 
@@ -147,3 +147,59 @@ def test_preempted_point_is_requeued_into_the_same_run_dir(tmp_path):
     assert Path(p["run_dir"]) == run_dir.resolve()
     assert p["metrics"] == {"partial": 70, "restarts": 1, "same_job": 1}
     assert len(sweep_dirs(root)) == 1
+
+
+# --- the trainer: a TP=2 sweep on SLURM reproduces the TP=1 sweep of the basic launcher ------------------------------
+TRAIN_POINTS = ["loss=topk,top_p", "balancer.alpha=0.5,1.0"]
+TRAIN_ARGS = ["experiment=smoke", "logger=none", "trainer.max_steps=3", "trainer.reuse_finished=false"]
+# Compared between TP=2 and TP=1: everything the run reports except throughput.
+COMPARED = ("val/lm_loss", "val/kl_to_teacher", "val/top1_agreement", "train/loss", "train/kept_mass",
+            "train/ghost_mass", "train/nucleus_size")
+
+
+def _kdexp_sweep(workdir: Path, sweep_dir: Path, extra: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = app_env(workdir)
+    env.pop("KDEXP_RUN_STAMP", None)  # each sweep draws its own stamp
+    workdir.mkdir(parents=True, exist_ok=True)
+    return subprocess.run([sys.executable, "-m", "kdexp.run", "-m", *TRAIN_ARGS, *TRAIN_POINTS, *extra,
+                           f"hydra.sweep.dir={sweep_dir}"], cwd=workdir, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _finals(sweep_dir: Path) -> dict:
+    s = json.loads((sweep_dir / "sweep.json").read_text())
+    out = {}
+    for p in s["points"]:
+        assert p["status"] == "finished", p
+        summary = json.loads((Path(p["run_dir"]) / "summary.json").read_text())
+        assert p["metrics"] == summary["final"]
+        key = tuple(sorted(o for o in p["overrides"] if o.split("=")[0] in ("loss", "balancer.alpha")))
+        out[key] = summary["final"]
+    return out
+
+
+def test_trainer_sweep_tp2_on_slurm_matches_tp1_basic_launcher(tmp_path):
+    slurm_dir, basic_dir = tmp_path / "slurm_tp2", tmp_path / "basic_tp1"
+    try:
+        r = _kdexp_sweep(tmp_path / "w", slurm_dir, ["parallel.tensor=2", "hydra/launcher=slurm_cpu",
+                                                     "hydra.launcher.timeout_min=20"], timeout=900)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"SLURM sweep did not end in 900 s\n{_diagnostics(tmp_path)}")
+    finally:
+        _cancel_jobs(slurm_dir)
+    assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-5000:]
+    b = _kdexp_sweep(tmp_path / "w", basic_dir, ["parallel.tensor=1"], timeout=900)
+    assert b.returncode == 0, b.stdout[-5000:] + b.stderr[-5000:]
+    tp2, tp1 = _finals(slurm_dir), _finals(basic_dir)
+    assert len(tp1) == 4 and tp2.keys() == tp1.keys()
+    worst = max(abs(tp2[k][m] - tp1[k][m]) / max(abs(tp1[k][m]), 1e-12)
+                for k in tp1 for m in COMPARED if tp1[k].get(m) is not None)
+    print(f"TP=2 (SLURM) vs TP=1 (basic launcher): largest relative difference {worst:.2e}")
+    for key in tp1:
+        assert tp2[key].keys() == tp1[key].keys()
+        for metric in (m for m in COMPARED if tp1[key].get(m) is not None):
+            assert tp2[key][metric] == pytest.approx(tp1[key][metric], rel=5e-4, abs=1e-5), (key, metric)
+    # each SLURM point ran 2 tasks
+    for d in (slurm_dir / ".submitit").iterdir():
+        if re.fullmatch(r"\d+_\d+", d.name):
+            assert len(list(d.glob("*_log.out"))) == 2

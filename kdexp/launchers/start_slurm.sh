@@ -17,7 +17,7 @@ PARTITION="${KDEXP_SLURM_PARTITION:-debug}"
 WAIT_S="${KDEXP_SLURM_WAIT_S:-90}"
 CONF_DIR=/etc/slurm
 CONF="$CONF_DIR/slurm.conf"
-NODE="$(hostname -s)"
+NODE="$(hostname -s 2>/dev/null || uname -n | cut -d. -f1)"
 LOG_DIR=/var/log/slurm
 
 say() { echo "[start_slurm] $*" >&2; }
@@ -31,7 +31,7 @@ as_root() { if [ -n "$SUDO" ]; then $SUDO "$@"; else "$@"; fi; }
 
 # --- what slurm.conf should say on this machine ------------------------------------------------------------------
 ncpus="$(nproc)"
-mem_mb="$(free -m | awk '/^Mem:/ {print $2}')"
+mem_mb="$(awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo)"  # what `free -m` reports, without procps
 # slurmd drains a node whose real memory is below RealMemory; leave a margin for what the kernel reserves.
 real_mem=$(( mem_mb * 95 / 100 ))
 
