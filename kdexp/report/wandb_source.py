@@ -45,8 +45,8 @@ def _number(value: Any) -> Optional[float]:
 
 
 def _history_rows(run: Any) -> Iterable[dict]:
-    try:
-        history = run.history(samples=HISTORY_SAMPLES)
+    try:  # rows as dicts: no pandas needed at run time (a DataFrame, which other callers may hand in, works too)
+        history = run.history(samples=HISTORY_SAMPLES, pandas=False)
     except TypeError:
         history = run.history()
     if hasattr(history, "to_dict"):  # pandas DataFrame
