@@ -264,3 +264,15 @@ def test_relative_sweep_dir_and_job_chdir(tmp_path):
     s = json.loads(sweep_json.read_text())
     assert s["sweep_dir"] == str(sweep_json.parent)
     assert [(p["status"], Path(p["run_dir"]).parent) for p in s["points"]] == [("finished", sweep_json.parent)] * 2
+
+
+def test_launchers_cli_names_the_site_file(tmp_path):
+    (tmp_path / "site").mkdir()
+    env = app_env(tmp_path, KDEXP_SITE_DIR=str(tmp_path / "site"))
+    r = subprocess.run([sys.executable, "-m", "kdexp.launchers", "site"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"site dir: {(tmp_path / 'site').resolve()}" in r.stdout
+    assert f"site file: {(tmp_path / 'site' / 'site' / 'local.yaml').resolve()} (absent)" in r.stdout
+    bad = subprocess.run([sys.executable, "-m", "kdexp.launchers", "nope"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "start-slurm" in bad.stderr
