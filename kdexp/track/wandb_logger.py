@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 
 
 class WandbLogger:
-    def __init__(self, cfg, run_dir: Path, *, enabled: bool, name: str, group: Optional[str], job_type: str):
+    def __init__(self, cfg, run_dir: Path, *, enabled: bool, name: str, group: Optional[str], job_type: str,
+                 overrides: Optional[list] = None):
         self.run = None
         if not (enabled and cfg.logger.wandb.enabled):
             return
@@ -29,7 +30,8 @@ class WandbLogger:
         self.run = wandb.init(
             project=w.project, entity=w.entity, group=w.group or group, name=name, job_type=job_type,
             tags=list(w.tags), dir=str(run_dir), id=run_id, resume="allow", mode=mode,
-            config=OmegaConf.to_container(cfg, resolve=True), settings=wandb.Settings(console="off", quiet=True))
+            # the overrides too, so a report from the W&B group sees the same swept keys as one from run dirs
+            config={**OmegaConf.to_container(cfg, resolve=True), "overrides": list(overrides or [])}, settings=wandb.Settings(console="off", quiet=True))
 
     def log(self, metrics: dict, step: int) -> None:
         if self.run is not None:

@@ -68,7 +68,8 @@ def run_point(cfg) -> dict:
                            seed=cfg.trainer.seed)
     from kdexp.train.loop import distill  # megatron is imported only once the config is known good
 
-    wandb_logger = WandbLogger(cfg, run_dir, enabled=distributed.is_rank0(), **sweep.wandb_names(hc))
+    wandb_logger = WandbLogger(cfg, run_dir, enabled=distributed.is_rank0(), overrides=overrides,
+                               **sweep.wandb_names(hc))
     try:
         final, steps, _ = distill(cfg, run_dir, resume_from=previous, wandb_logger=wandb_logger)
     except BaseException:
