@@ -47,9 +47,10 @@ def bucket_divergence(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor, div
     return loss, (1.0 - beta) * qbm
 
 
-def _rowdot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """sum(x * y, -1) per row without a [c, V] temporary (a batched dot product)."""
-    return torch.bmm(x.unsqueeze(1), y.unsqueeze(2)).view(-1)
+def _rowdot_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """sum(x * y, -1) per row, overwriting x: no [c, V] temporary, and torch.sum's cascade summation (a BLAS dot
+    accumulates 150k float32 terms far less accurately)."""
+    return x.mul_(y).sum(-1)
 
 
 def dense_forward_(a: torch.Tensor, b: torch.Tensor, divergence: str, beta: float):
@@ -61,16 +62,16 @@ def dense_forward_(a: torch.Tensor, b: torch.Tensor, divergence: str, beta: floa
     out = a.new_zeros(a.shape[0], 2)
     if divergence == "forward_kl":
         d = torch.sub(a, b, out=b)
-        out[:, 0] = _rowdot(a.exp_(), d)
+        out[:, 0] = _rowdot_(a.exp_(), d)
     elif divergence == "reverse_kl":
         d = torch.sub(b, a, out=a)
-        out[:, 0] = _rowdot(b.exp_(), d)
+        out[:, 0] = _rowdot_(b.exp_(), d)
     else:
         m = torch.logaddexp(a + math.log(beta), b + math.log1p(-beta))
         t = a - m
-        out[:, 0] = beta * _rowdot(a.exp_(), t)
+        out[:, 0] = beta * _rowdot_(t, a.exp_())
         torch.sub(b, m, out=t)
-        kqm = _rowdot(b.exp_(), t)
+        kqm = _rowdot_(t, b.exp_())
         out[:, 0] += (1.0 - beta) * kqm
         out[:, 1] = kqm
     return out

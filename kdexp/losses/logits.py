@@ -17,8 +17,10 @@ rounded to 1), keeps a nonzero gradient there, and is exactly -inf (a zero ghost
 vocabulary. The full log-sum-exp is assembled from the same two parts, so one pass over the vocabulary per
 distribution computes both.
 
-Memory: a custom autograd.Function computes everything chunk by chunk over tokens in float32 (float64 for float64
-inputs) and saves only the inputs plus O(K) values per token; backward recomputes the student softmax per chunk. The
+Memory and speed: a custom autograd.Function computes everything chunk by chunk over tokens in float32 (float64 for
+float64 inputs) and saves only the inputs plus O(K) values per token; backward recomputes the student softmax per
+chunk. Per chunk and distribution the full-vocabulary work is one copy into a scratch buffer, one fused (in-place on
+CPU) log_softmax / softmax and two cheap max reductions; the teacher adds one unsorted topk. The
 gradient w.r.t. logits/T of the full-normalization loss is, with g = dL/d(kept student log-probs), h = dL/d(student
 log-residual), G = sum g + h, q the student softmax, r the student residual:
   i in S:      g_i - q_i G
