@@ -17,13 +17,17 @@ from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-_STAMP_ENV = "KDEXP_RUN_STAMP"
+_STAMP_KEY = "KDEXP_RUN_STAMP"
+_stamp_value: Optional[str] = None
 
 
 def _stamp() -> str:
-    if _STAMP_ENV not in os.environ:  # computed once per process, so every interpolation agrees
-        os.environ[_STAMP_ENV] = time.strftime("%Y-%m-%d/%H-%M-%S-") + uuid.uuid4().hex[:6]
-    return os.environ[_STAMP_ENV]
+    # Once per process (so every interpolation agrees), and kept in the process, not in os.environ: a child process
+    # (a second sweep started by a script, a test) must draw its own.
+    global _stamp_value
+    if _stamp_value is None:
+        _stamp_value = time.strftime("%Y-%m-%d/%H-%M-%S-") + uuid.uuid4().hex[:6]
+    return _stamp_value
 
 
 if not OmegaConf.has_resolver("kdexp_stamp"):
@@ -41,7 +45,8 @@ def launched_rank() -> int:
 def agree_on_stamp() -> None:
     """Under torchrun, make every rank use rank 0's stamp and keep Hydra's files and logs to rank 0."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1 or "TORCHELASTIC_RUN_ID" not in os.environ or _STAMP_ENV in os.environ:
+    global _stamp_value
+    if world <= 1 or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     from datetime import timedelta
 
@@ -54,8 +59,8 @@ def agree_on_stamp() -> None:
         os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
         timeout=timedelta(seconds=300)))
     if rank == 0:
-        store.set(_STAMP_ENV, _stamp())
-    os.environ[_STAMP_ENV] = store.get(_STAMP_ENV).decode()
+        store.set(_STAMP_KEY, _stamp())
+    _stamp_value = store.get(_STAMP_KEY).decode()
     if rank != 0:
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
 
