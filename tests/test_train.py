@@ -122,14 +122,13 @@ def test_torchrun_tensor_parallel_2_matches_tp1(smoke_run, env, tmp_path):
 
 
 def test_identical_sweep_rerun_retrains_nothing(env, tmp_path):
-    args = ["-m", *SMOKE, "trainer.max_steps=2", "trainer.eval_interval=2", "logger=none",
-            f"hydra.sweep.dir={tmp_path}/sweep_${{kdexp_uid:}}", "balancer.alpha=0.5,1.0"]
-    kdexp_run(args, env, tmp_path)
-    kdexp_run(args, env, tmp_path)
-    first, second = sorted(tmp_path.glob("sweep_*"))
-    assert first != second  # every sweep gets its own directory
+    args = ["-m", *SMOKE, "trainer.max_steps=2", "trainer.eval_interval=2", "logger=none", "balancer.alpha=0.5,1.0"]
+    first, second = tmp_path / "first", tmp_path / "second"  # a re-run goes to a new sweep dir, as by default
+    kdexp_run([*args, f"hydra.sweep.dir={first}"], env, tmp_path)
+    kdexp_run([*args, f"hydra.sweep.dir={second}"], env, tmp_path)
     for num in ("0", "1"):
         a, b = summary(first / num), summary(second / num)
         assert a["reused_from"] is None and b["reused_from"] == str((first / num).resolve())
         assert b["final"] == a["final"] and b["config_hash"] == a["config_hash"]
         assert not (second / num / "checkpoints").exists()  # nothing was retrained
+        assert json.loads((second / num / "point.json").read_text())["status"] == "reused"

@@ -27,18 +27,15 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor)
 def kd_loss_kwargs(loss_cfg) -> dict:
     return dict(temperature=loss_cfg.temperature, top_k=loss_cfg.top_k, top_p=loss_cfg.top_p, min_k=loss_cfg.min_k,
                 ghost_token=loss_cfg.ghost_token, normalization=loss_cfg.normalization,
-                divergence=loss_cfg.divergence)
+                divergence=loss_cfg.divergence, beta=loss_cfg.jsd_beta,
+                scale_by_temperature_squared=loss_cfg.temperature_squared)
 
 
 def kd_loss(student: torch.Tensor, teacher: torch.Tensor, loss_mask: torch.Tensor, loss_cfg):
     """Masked-mean KD loss and the masked-mean stats (teacher kept mass, student residual mass, nucleus size)."""
-    kwargs = kd_loss_kwargs(loss_cfg)
-    if loss_cfg.divergence == "jsd":
-        kwargs["beta"] = loss_cfg.jsd_beta
-    per_token, stats = logits_kd_loss(student, teacher, tp_group=distributed.tp_group(), return_stats=True, **kwargs)
+    per_token, stats = logits_kd_loss(student, teacher, tp_group=distributed.tp_group(), return_stats=True,
+                                      **kd_loss_kwargs(loss_cfg))
     loss = masked_mean(per_token, loss_mask)
-    if loss_cfg.temperature_squared:
-        loss = loss * loss_cfg.temperature ** 2
     # kept_mass: the teacher's mass in the kept set; ghost_mass: the student's mass in the ghost bucket (outside it)
     return loss, {
         "kept_mass": masked_mean(stats.teacher_kept_mass, loss_mask),
