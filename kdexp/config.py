@@ -33,7 +33,7 @@ class ModelConfig:
 class LossConfig:
     name: str = "topk"
     temperature: float = 1.0
-    top_k: Optional[int] = 64
+    top_k: Optional[int] = 1024
     top_p: Optional[float] = None
     min_k: int = 1
     ghost_token: bool = True

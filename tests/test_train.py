@@ -76,7 +76,7 @@ def test_run_dir_holds_config_metrics_checkpoints_wandb_summary(smoke_run):
     train = metrics(run_dir, "train")
     assert [x["step"] for x in train] == [1, 2, 3, 4, 5, 6]
     assert [x["step"] for x in metrics(run_dir, "val")] == [3, 6]
-    assert all(x["train/nucleus_size"] == pytest.approx(64) for x in train)  # Top-K 64, no top_p
+    assert all(x["train/nucleus_size"] == pytest.approx(1024) for x in train)  # Top-K 1024 of 2048, no top_p
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "6"
     assert list((run_dir / "wandb").glob("offline-run-*")), "W&B offline run missing"
     log = proc.stdout + proc.stderr
