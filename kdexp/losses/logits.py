@@ -205,6 +205,17 @@ def _load_(buf: torch.Tensor, raw: torch.Tensor, temperature: float) -> torch.Te
     return buf
 
 
+def _dense_chunks(student: torch.Tensor, teacher: torch.Tensor, rows: int, temperature: float, cd: torch.dtype):
+    """(rows slice, teacher chunk / T, student chunk / T) in two reused compute-dtype buffers (forward and backward)."""
+    n, vl = student.shape
+    bt = torch.empty(rows, vl, dtype=cd, device=student.device)
+    bs = torch.empty_like(bt)
+    for r0 in range(0, n, rows):
+        r = slice(r0, min(n, r0 + rows))
+        c = r.stop - r.start
+        yield r, _load_(bt[:c], teacher[r], temperature), _load_(bs[:c], student[r], temperature)
+
+
 def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
@@ -249,12 +260,7 @@ class _LogitsKD(torch.autograd.Function):
         if dense:
             shift = torch.zeros(2, n, dtype=cd, device=dev)  # local minus global log-sum-exp (0 without TP)
             aux = torch.empty(n, dtype=cd, device=dev)
-            bt = torch.empty(rows, vl, dtype=cd, device=dev)
-            bs = torch.empty_like(bt)
-            for r0 in range(0, n, rows):
-                r = slice(r0, min(n, r0 + rows))
-                c = r.stop - r.start
-                xt, xs = _load_(bt[:c], teacher[r], cfg.temperature), _load_(bs[:c], student[r], cfg.temperature)
+            for r, xt, xs in _dense_chunks(student, teacher, rows, cfg.temperature, cd):
                 if shard.world == 1:
                     a, b = _log_softmax_(xt), _log_softmax_(xs)
                 else:
@@ -302,12 +308,7 @@ class _LogitsKD(torch.autograd.Function):
         scale = grad_out.reshape(-1).to(cd) * (cfg.loss_scale / cfg.temperature)
         if ctx.dense:
             teacher = ctx.saved_tensors[1]
-            bt = torch.empty(rows, vl, dtype=cd, device=dev)
-            bs = torch.empty_like(bt)
-            for r0 in range(0, n, rows):
-                r = slice(r0, min(n, r0 + rows))
-                c = r.stop - r.start
-                xt, xs = _load_(bt[:c], teacher[r], cfg.temperature), _load_(bs[:c], student[r], cfg.temperature)
+            for r, xt, xs in _dense_chunks(student, teacher, rows, cfg.temperature, cd):
                 if cfg.divergence == "forward_kl":  # q - p straight from the fused softmax
                     p, q = _softmax_(xt), _softmax_(xs)
                     if shard.world > 1:
