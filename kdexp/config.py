@@ -81,6 +81,7 @@ class TrainerConfig:
     checkpoint_interval: int = 50
     seed: int = 1234
     reuse_finished: bool = True  # in a sweep, a point whose resolved config already finished is not retrained
+    export_hf: bool = False  # at the end, write the distilled student as a Hugging Face checkpoint (run_dir/student_hf)
 
 
 @dataclass

@@ -71,7 +71,11 @@ def run_point(cfg) -> dict:
     wandb_logger = WandbLogger(cfg, run_dir, enabled=distributed.is_rank0(), overrides=overrides,
                                **sweep.wandb_names(hc))
     try:
-        final, steps, _ = distill(cfg, run_dir, resume_from=previous, wandb_logger=wandb_logger)
+        final, steps, (student, spec) = distill(cfg, run_dir, resume_from=previous, wandb_logger=wandb_logger)
+        if cfg.trainer.export_hf:  # every rank: save_hf gathers the TP shards, rank 0 writes
+            from kdexp.models import save_hf
+
+            save_hf(student, run_dir / "student_hf", spec)
     except BaseException:
         wandb_logger.finish(exit_code=1)
         raise  # in a sweep, SweepCallback records it (point.json, error.log) and the other points go on
