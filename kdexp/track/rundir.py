@@ -34,14 +34,6 @@ if not OmegaConf.has_resolver("kdexp_stamp"):
     OmegaConf.register_new_resolver("kdexp_stamp", _stamp)
 
 
-def launched_rank() -> int:
-    """Global rank from the launcher's environment (torchrun or SLURM), before any process group exists."""
-    for key in ("RANK", "SLURM_PROCID"):
-        if key in os.environ:
-            return int(os.environ[key])
-    return 0
-
-
 def agree_on_stamp() -> None:
     """Under torchrun, make every rank use rank 0's stamp and keep Hydra's files and logs to rank 0."""
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -40,7 +40,7 @@ def _identity(cfg):
 def run_point(cfg) -> dict:
     run_dir, multirun, overrides, hc = _identity(cfg)
     key = config_hash(cfg)
-    rank0 = rundir.launched_rank() == 0
+    rank0 = sweep.global_rank() == 0  # before any process group exists
     done = rundir.read_json(run_dir / "summary.json")
     if done is not None and done.get("config_hash") == key:
         if rank0:
