@@ -155,3 +155,16 @@ def test_identical_sweep_rerun_retrains_nothing(env, tmp_path):
         assert b["final"] == a["final"] and b["config_hash"] == a["config_hash"]
         assert not (second / num / "checkpoints").exists()  # nothing was retrained
         assert json.loads((second / num / "point.json").read_text())["status"] == "reused"
+
+
+def test_rerun_with_another_config_starts_over(env, tmp_path):
+    run_dir = tmp_path / "run"
+    base = [*SMOKE, "trainer.max_steps=2", "trainer.eval_interval=2", "logger=none", f"hydra.run.dir={run_dir}"]
+    kdexp_run([*base, "balancer.alpha=0.9"], env, tmp_path)
+    first = summary(run_dir)
+    proc = kdexp_run([*base, "balancer.alpha=0.5"], env, tmp_path)
+    assert "written by another config" in proc.stdout + proc.stderr  # its checkpoint is not resumed
+    second = summary(run_dir)
+    assert second["config_hash"] != first["config_hash"] and "balancer.alpha=0.5" in second["overrides"]
+    assert second["final"]["train/loss"] != first["final"]["train/loss"]
+    assert [x["step"] for x in metrics(run_dir, "train")] == [1, 2]  # retrained from step 0, old lines dropped

@@ -13,14 +13,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 
 from kdexp import distributed
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+from kdexp.data.cache import barrier
 
 
 def latest_step(ckpt_dir: Path) -> Optional[int]:
@@ -39,7 +34,7 @@ def save(ckpt_dir: Path, step: int, state: dict[str, Any], *, keep: int = 2) -> 
         tmp = step_dir / f".tp{st.tp_rank}.pt.tmp"
         torch.save(state, tmp)
         os.replace(tmp, step_dir / f"tp{st.tp_rank}.pt")
-    _barrier()
+    barrier()
     if st.rank == 0:
         tmp = ckpt_dir / ".latest.tmp"
         tmp.write_text(f"{step}\n")
@@ -47,7 +42,7 @@ def save(ckpt_dir: Path, step: int, state: dict[str, Any], *, keep: int = 2) -> 
         steps = sorted(int(p.name[5:]) for p in ckpt_dir.glob("step_*") if p.name[5:].isdigit())
         for old in steps[:-keep]:
             shutil.rmtree(ckpt_dir / f"step_{old}", ignore_errors=True)
-    _barrier()
+    barrier()
 
 
 def load(ckpt_dir: Path) -> Optional[dict[str, Any]]:
@@ -56,4 +51,6 @@ def load(ckpt_dir: Path) -> Optional[dict[str, Any]]:
     if step is None:
         return None
     path = Path(ckpt_dir) / f"step_{step}" / f"tp{distributed.state().tp_rank}.pt"
-    return torch.load(path, map_location=distributed.state().device, weights_only=False)
+    # on the CPU: torch.set_rng_state takes a CPU tensor and AdamW's `step` counters must stay on the host;
+    # load_state_dict moves weights and moments to the model's device
+    return torch.load(path, map_location="cpu", weights_only=False)

@@ -21,7 +21,7 @@ from kdexp.data import batches, prepare
 from kdexp.losses import make_balancer
 from kdexp.track.metrics import IntervalMeter, MetricsFile, Progress, console_line, eval_line
 from kdexp.train import checkpoint, objectives, optim
-from kdexp.train.teacher import DTYPES, get_teacher, tiny_spec
+from kdexp.train.teacher import DTYPES, get_teacher
 
 log = logging.getLogger("kdexp")
 
@@ -39,16 +39,8 @@ def build_student(cfg, vocab_size: int) -> torch.nn.Module:
     if cfg.model.student_path is not None:
         return models.load_hf(cfg.model.student_path, params_dtype=dtype)
     name = cfg.model.student
-    spec = tiny_spec(name, vocab_size) if name.startswith("tiny") else models.QWEN3_SIZES[name]
+    spec = models.get_spec(name, vocab_size=vocab_size) if name.startswith("tiny") else models.QWEN3_SIZES[name]
     return models.build(spec, params_dtype=dtype)
-
-
-def student_spec(cfg, vocab_size: int):
-    if cfg.model.student_path is not None:
-        import json
-        return models.spec_from_hf(json.loads((Path(cfg.model.student_path) / "config.json").read_text()))
-    name = cfg.model.student
-    return tiny_spec(name, vocab_size) if name.startswith("tiny") else models.QWEN3_SIZES[name]
 
 
 def _to(batch: dict, device) -> dict:
@@ -94,8 +86,9 @@ def train_step(student, teacher, batch, balancer, cfg, needs_lm: bool):
             "train/kd_loss": kd.detach(), **{f"train/{k}": v for k, v in stats.items()}}
 
 
-def distill(cfg, run_dir: Path, *, resume_from: Optional[Path] = None, wandb_logger=None) -> tuple[dict, int, tuple]:
-    """Train the student; returns (final metrics, steps done, (student model, its spec))."""
+def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path] = None,
+            wandb_logger=None) -> tuple[dict, torch.nn.Module]:
+    """Train the student; returns (final metrics, the student). Checkpoints of another config are not resumed."""
     st = distributed.state()
     t = cfg.trainer
     rank0 = st.rank == 0
@@ -119,6 +112,10 @@ def distill(cfg, run_dir: Path, *, resume_from: Optional[Path] = None, wandb_log
     state = checkpoint.load(ckpt_dir)
     if state is None and resume_from is not None:
         state = checkpoint.load(Path(resume_from) / "checkpoints")
+    if state is not None and state.get("config_hash") != config_hash:
+        if rank0:
+            log.warning("not resuming from %s: it was written by another config", ckpt_dir)
+        state = None
     start = 0
     if state is not None:
         student.load_state_dict(state["model"])
@@ -175,11 +172,12 @@ def distill(cfg, run_dir: Path, *, resume_from: Optional[Path] = None, wandb_log
         if done % t.checkpoint_interval == 0 or done == t.max_steps:
             checkpoint.save(ckpt_dir, done, {
                 "model": student.state_dict(), "optimizer": opt.state_dict(), "rng": torch.get_rng_state(),
-                "meter": meter.state_dict(), "last_train": last_train, "last_eval": last_eval, "step": done})
+                "meter": meter.state_dict(), "last_train": last_train, "last_eval": last_eval, "step": done,
+                "config_hash": config_hash})
         if fault_at == done:  # fault injection for the resume test: die like a preempted node
             os.kill(os.getpid(), signal.SIGKILL)
         if done % t.log_interval == 0 or done == t.max_steps:
             interval_start, interval_steps = time.perf_counter(), 0  # eval and checkpoint time are not step time
     progress.close()
     final = {**{k: v for k, v in last_train.items() if not k.startswith("train/lr")}, **last_eval}
-    return final, t.max_steps, (student, student_spec(cfg, data.vocab_size))
+    return final, student

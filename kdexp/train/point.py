@@ -46,6 +46,8 @@ def run_point(cfg) -> dict:
         if rank0:
             log.info("already finished: %s", run_dir / "summary.json")
         return done
+    if done is not None and rank0:  # another config finished here before: its summary must not stand for this run
+        (run_dir / "summary.json").unlink()
 
     index = rundir.PointIndex(cfg.paths.index)
     previous = index.lookup(key) if (multirun and cfg.trainer.reuse_finished) else None
@@ -71,21 +73,22 @@ def run_point(cfg) -> dict:
     wandb_logger = WandbLogger(cfg, run_dir, enabled=distributed.is_rank0(), overrides=overrides,
                                **sweep.wandb_names(hc))
     try:
-        final, steps, (student, spec) = distill(cfg, run_dir, resume_from=previous, wandb_logger=wandb_logger)
+        final, student = distill(cfg, run_dir, config_hash=key, resume_from=previous, wandb_logger=wandb_logger)
         if cfg.trainer.export_hf:  # every rank: save_hf gathers the TP shards, rank 0 writes
             from kdexp.models import save_hf
 
-            save_hf(student, run_dir / "student_hf", spec)
+            save_hf(student, run_dir / "student_hf")  # the spec rides on the model (model.kdexp_spec)
     except BaseException:
         wandb_logger.finish(exit_code=1)
         raise  # in a sweep, SweepCallback records it (point.json, error.log) and the other points go on
 
-    summary = {"status": "finished", "config_hash": key, "overrides": overrides, "steps": steps,
+    summary = {"status": "finished", "config_hash": key, "overrides": overrides, "steps": cfg.trainer.max_steps,
                "wall_s": time.perf_counter() - started, "final": final, "reused_from": None,
                "run_dir": str(run_dir)}
     if distributed.is_rank0():
         wandb_logger.summary(final)
         rundir.write_json(run_dir / "summary.json", summary)  # last: its presence means the run finished
+        index.claim(key, run_dir)  # later identical points reuse this finished run (it may have resumed another's)
         log.info("run dir: %s\n  metrics: %s\n  summary: %s%s", run_dir, run_dir / "metrics.jsonl",
                  run_dir / "summary.json",
                  f"\n  W&B: {run_dir / 'wandb'} (sync with: wandb sync {run_dir / 'wandb'}/offline-run-*)"

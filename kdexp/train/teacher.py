@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from kdexp import distributed, models
 from kdexp.data import batches
-from kdexp.data.cache import cached_path
+from kdexp.data.cache import barrier, cached_path
 from kdexp.train import objectives, optim
 
 log = logging.getLogger("kdexp")
@@ -30,16 +30,12 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def tiny_spec(name: str, vocab_size: int) -> models.Qwen3Spec:
-    return models.get_spec(name, vocab_size=vocab_size)
-
-
 def pretrained_teacher_dir(cfg, data) -> Path:
     """Cache directory of the embedded teacher, keyed by everything that determines its weights."""
     st = distributed.state()
     key = {
-        "spec": dataclasses.asdict(tiny_spec(cfg.model.teacher, data.vocab_size)),
-        "data": data.fingerprint,
+        "spec": dataclasses.asdict(models.get_spec(cfg.model.teacher, vocab_size=data.vocab_size)),
+        "data": data.fingerprint, "train_samples": len(data.train_ds),  # GPTDataset's shuffle depends on its size
         "steps": cfg.model.teacher_pretrain_steps, "lr": cfg.model.teacher_pretrain_lr,
         "seq_length": cfg.trainer.seq_length, "micro_batch_size": cfg.trainer.micro_batch_size,
         "dp_size": st.dp_size, "seed": cfg.trainer.seed, "params_dtype": cfg.model.params_dtype,
@@ -96,11 +92,10 @@ def get_teacher(cfg, data) -> torch.nn.Module:
         if st.rank == 0:
             log.info("stage teacher: pretraining the embedded teacher %s for %d steps (once; cached in %s)",
                      cfg.model.teacher, cfg.model.teacher_pretrain_steps, path)
-        spec = tiny_spec(cfg.model.teacher, data.vocab_size)
+        spec = models.get_spec(cfg.model.teacher, vocab_size=data.vocab_size)
         model = models.build(spec, params_dtype=dtype)
         pretrain(model, data, cfg)
         models.save_hf(model, path, spec)
         del model
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     return freeze(models.load_hf(path, params_dtype=dtype))
