@@ -59,7 +59,7 @@ def main(argv=None) -> None:
 
     times = {"kd": [], "baseline": []}
     for i in range(args.warmup + args.steps):
-        batch = {k: v.to(st.device) for k, v in next(stream).items()}
+        batch = objectives.batch_to(next(stream), st.device)
         for name, fn in (("kd", kd_step), ("baseline", baseline_step)) if i % 2 else (
                 ("baseline", baseline_step), ("kd", kd_step)):
             if st.device.type == "cuda":

@@ -43,10 +43,6 @@ def build_student(cfg, vocab_size: int) -> torch.nn.Module:
     return models.build(spec, params_dtype=dtype)
 
 
-def _to(batch: dict, device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
 @torch.no_grad()
 def evaluate(student, teacher, val_batches: list[dict]) -> dict[str, float]:
     """val/lm_loss, val/kl_to_teacher (full-vocabulary forward KL, T=1), val/top1_agreement; averaged over DP."""
@@ -128,7 +124,7 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
     metrics = MetricsFile(Path(run_dir) / "metrics.jsonl", enabled=rank0, resume_step=start)
 
     val_stream = batches(data.val_ds, micro_batch_size=t.micro_batch_size, dp_rank=st.dp_rank, dp_size=st.dp_size)
-    val_batches = [_to(next(val_stream), st.device) for _ in range(t.eval_iters)]
+    val_batches = [objectives.batch_to(next(val_stream), st.device) for _ in range(t.eval_iters)]
     stream = batches(data.train_ds, micro_batch_size=t.micro_batch_size, dp_rank=st.dp_rank, dp_size=st.dp_size,
                      start_sample=start * global_batch)
     tokens_per_step = global_batch * t.seq_length
@@ -142,7 +138,7 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
 
     fault_at = int(os.environ.get("KDEXP_FAULT_AT_STEP", "0"))
     for step in range(start, t.max_steps):
-        batch = _to(next(stream), st.device)
+        batch = objectives.batch_to(next(stream), st.device)
         lr = optim.lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup=t.warmup_steps, total=t.max_steps)
         optim.set_lr(opt, lr)
         opt.zero_grad(set_to_none=True)

@@ -12,6 +12,11 @@ from kdexp import distributed
 from kdexp.losses import logits_kd_loss
 
 
+def batch_to(batch: dict, device) -> dict:
+    """The fields the objectives read, on the device (position ids are rebuilt by the model code, not copied)."""
+    return {k: batch[k].to(device, non_blocking=True) for k in ("tokens", "labels", "loss_mask")}
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values.float() * mask).sum() / mask.sum().clamp(min=1.0)
 

@@ -55,7 +55,7 @@ def pretrain(model: torch.nn.Module, data, cfg) -> None:
     started = time.perf_counter()
     running = torch.zeros((), device=st.device)
     for step in range(steps):
-        batch = {k: v.to(st.device) for k, v in next(stream).items()}
+        batch = objectives.batch_to(next(stream), st.device)
         optim.set_lr(opt, optim.lr_at(step, lr=lr, min_lr=lr / 10, warmup=max(1, steps // 20), total=steps))
         loss = objectives.lm_loss(models.vocab_parallel_logits(model, batch["tokens"]), batch["labels"],
                                   batch["loss_mask"])
