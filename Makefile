@@ -17,6 +17,7 @@ run: $(VENV)/.installed
 	$(PY) -m kdexp.run $(ARGS)
 
 test: $(VENV)/.installed
+	$(VENV)/bin/ruff check kdexp tests
 	$(PY) -m pytest -q -ra $(ARGS)
 
 bench: $(VENV)/.installed

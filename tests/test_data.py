@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import sys
 
 import numpy
 import pytest
@@ -20,7 +19,6 @@ import kdexp.data.dataset as dataset_mod
 from kdexp.data import (atomic_dir, batches, build_cached, cached_path, embedded_corpus, embedded_documents,
                         prepare)
 from kdexp.data.cache import cache_dir
-from kdexp.data.corpus import corpus_fingerprint
 from kdexp.data.indexed import read_indexed, tokenize_to_indexed
 from kdexp.data.tokenizer import EOD_TOKEN, Tokenizer
 

@@ -120,7 +120,6 @@ def initialize(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int =
     """
     global _STATE
     from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel as mp_tensor_parallel
 
     tp = _check_size("parallel.tensor", tensor_parallel)
     pp = _check_size("parallel.pipeline", pipeline_parallel)
@@ -157,6 +156,8 @@ def initialize(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int =
 
 def _seed(seed: int, tp_rank: int, use_cuda: bool) -> None:
     if use_cuda:
+        from megatron.core import tensor_parallel as mp_tensor_parallel
+
         mp_tensor_parallel.model_parallel_cuda_manual_seed(seed)
         torch.manual_seed(seed)
     else:

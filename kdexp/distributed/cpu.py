@@ -104,7 +104,6 @@ def apply() -> bool:
     torch.cuda.current_device = _cpu_current_device
 
     from megatron.core.fusions import fused_softmax
-    from megatron.core.tensor_parallel import random as mp_random
     from megatron.core.transformer import utils as tf_utils
 
     for mod in (tf_utils, fused_softmax):

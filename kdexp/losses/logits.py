@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
 from kdexp.losses._shard import Shard
 from kdexp.losses.divergence import DIVERGENCES, bucket_divergence, dense_backward_, dense_forward_
