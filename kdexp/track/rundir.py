@@ -6,16 +6,16 @@ Hydra, so ``agree_on_stamp()`` lets rank 0 choose the stamp and hands it to the 
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from omegaconf import OmegaConf
+
+from kdexp.track.records import read_json, write_json  # noqa: F401  (callers import them from here for now)
 
 _STAMP_KEY = "KDEXP_RUN_STAMP"
 _stamp_value: Optional[str] = None
@@ -55,24 +55,6 @@ def agree_on_stamp() -> None:
     _stamp_value = store.get(_STAMP_KEY).decode()
     if rank != 0:
         sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
-
-
-def write_json(path: Path, data: Any) -> None:
-    """Write JSON atomically: a temp file in the same directory, then os.replace."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2, sort_keys=True, default=float)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
-def read_json(path: Path) -> Optional[dict]:
-    try:
-        return json.loads(Path(path).read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
 
 
 class PointIndex:
