@@ -1,30 +1,184 @@
-"""Hydra entry point of kdexp: compose -> validate -> train. Nothing else lives here.
+"""Hydra entry point of kdexp: argv as users type it -> compose -> validate -> train. Nothing else lives here.
 
     python -m kdexp.run [group=option ...] [key=value ...]          one run (embedded default without arguments)
-    python -m kdexp.run -m balancer.alpha=0.5,0.9,1.0               a sweep (any hydra/launcher)
+    python -m kdexp.run loss=top_p -m balancer.alpha=0.5,0.9,1.0    a sweep (any hydra/launcher)
     torchrun --nproc-per-node 2 -m kdexp.run parallel.tensor=2      tensor parallel
+
+Hydra's argparse parser takes its flags only before or after all the overrides (``a=1 -m b=2`` fails with
+"unrecognized arguments"). ``hydra_argv`` moves every Hydra flag, with its value, in front of the overrides; the flags
+and whether each takes a value are read from Hydra's own parser (``hydra._internal.utils.get_args_parser``, the one
+private Hydra name used here), so a new Hydra flag is handled without a change here.
+
+Exit status: 0 done; 1 a run that failed or diverged (a sweep with a failed point); 2 a user error: a bad command
+line, a config Hydra cannot compose (unknown key, wrong type, missing option) or a value ``kdexp.config.validate``
+rejects. A config error or a divergence in a single run prints one line, without a Python traceback. In a sweep the
+exception goes on to ``kdexp.track.sweep.SweepCallback``, which records the point as failed and lets the others run.
 """
 from __future__ import annotations
 
+import sys
+import traceback
+from typing import Optional, Sequence
+
 import hydra
+from hydra.errors import ConfigCompositionException, OverrideParseException, SearchPathException
 from omegaconf import DictConfig
 
 import kdexp.conf  # noqa: F401  (registers the typed schema and the resolvers the YAML uses)
 import kdexp.config
-from kdexp.track import rundir
+from kdexp.track import records, rundir
+
+# ----------------------------------------------------------------------------------------------------------------------
+# argv as users type it
+
+
+def _hydra_options() -> dict:
+    """Option string -> argparse action of every flag Hydra's parser knows (``--cfg``, ``-c``, ``--multirun``...)."""
+    from hydra._internal.utils import get_args_parser
+
+    return {s: a for a in get_args_parser()._actions for s in a.option_strings}
+
+
+def _match(token: str, options: dict):
+    """(action, option string, value attached to the token or None) for a flag token, None when Hydra has no such
+    flag. Accepts what argparse accepts: ``--cfg=job``, ``-cjob``, and unique abbreviations ``--multi``."""
+    if token in options:
+        return options[token], token, None
+    name, eq, value = token.partition("=")
+    if eq and name in options:
+        return options[name], name, value
+    if token.startswith("--"):
+        hits = {o for o in options if o.startswith("--") and o.startswith(name)}
+        if len(hits) == 1:
+            option = hits.pop()
+            return options[option], option, value if eq else None
+        return None
+    short = token[:2]
+    if short in options and options[short].nargs != 0 and len(token) > 2:
+        return options[short], short, token[2:]
+    return None
+
+
+def hydra_argv(argv: Sequence[str]) -> list[str]:
+    """Rewrite a command line so that Hydra's parser accepts it: every flag (with its value) first, then the
+    overrides in their order. Values stay as typed; a flag's value is joined to it (``--cfg=job``) so that it can
+    never be mistaken for an override, nor an override for it.
+
+    - A token that starts with ``-`` is a flag; any other token is an override, whatever its value looks like
+      (``hydra.job.name=-m`` stays an override).
+    - A flag with one value takes the next token (``-p loss``, ``--cfg job``); one with an optional value
+      (``--info [X]``) takes it only when it is one of its choices, else gets its default (``--info=all``).
+    - A flag that lacks its value, and unknown flags, are kept as typed so that Hydra's parser reports them (a
+      flag missing its value goes last, where it cannot swallow an override).
+    - ``--`` ends the flags: everything after it is passed on unchanged.
+    """
+    options = _hydra_options()
+    flags: list[str] = []
+    overrides: list[str] = []
+    tail: list[str] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if token == "--":
+            tail = list(argv[i - 1:])
+            break
+        if not token.startswith("-") or token == "-":
+            overrides.append(token)
+            continue
+        hit = _match(token, options)
+        if hit is None:
+            flags.append(token)  # unknown: argparse names it
+            continue
+        action, option, value = hit
+        if action.nargs == 0 or value is not None:
+            flags.append(token if action.nargs == 0 else f"{option}={value}")
+        elif action.nargs == "?":
+            nxt = argv[i] if i < len(argv) else None
+            if nxt is not None and action.choices is not None and nxt in action.choices:
+                flags.append(f"{option}={nxt}")
+                i += 1
+            else:
+                flags.append(f"{option}={action.const}")
+        elif i < len(argv) and not (argv[i].startswith("-") and _match(argv[i], options) is not None):
+            flags.append(f"{option}={argv[i]}")
+            i += 1
+        else:
+            tail.insert(0, token)  # no value: after the overrides, so that argparse says "expected one argument"
+    return flags + overrides + tail
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# compose -> validate -> train
+
+_EXIT = 0  # set by main() when a single run ends with a user error (2) or a divergence (1)
+
+# Hydra's errors for a config it cannot compose (unknown key, wrong type, missing group option, bad override).
+_COMPOSE_ERRORS = (OverrideParseException, ConfigCompositionException, SearchPathException)
+
+
+def _is_diverged(err: BaseException) -> bool:
+    """kdexp.train's ``Diverged`` (a RuntimeError subclass), matched by class name so that this module needs no
+    import of the training code before the config is known good (and works where that class does not exist)."""
+    return isinstance(err, RuntimeError) and any(c.__name__ == "Diverged" for c in type(err).__mro__)
+
+
+def _single_run_failed(code: Optional[int], line: Optional[str], run_dir, error_text: Optional[str]) -> None:
+    """Exit status ``code`` for cli(); on global rank 0 (every rank fails the same way) the one line on stderr and
+    the error into the run dir's error.log and run.log."""
+    global _EXIT
+    if code is not None:
+        _EXIT = code
+    from kdexp.track.sweep import global_rank
+
+    if global_rank() == 0:
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+        if error_text is not None:
+            records.write_error(run_dir, "run failed", error_text)
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig):
-    kdexp.config.validate(cfg)  # before any model, data or process group is built
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    run_dir = hc.runtime.output_dir
+    try:
+        kdexp.config.validate(cfg)  # before W&B, data, teacher or any process group
+    except ValueError as err:
+        if multirun:
+            raise  # SweepCallback records the point as failed; the other points go on
+        _single_run_failed(2, f"kdexp: error: {err}", run_dir, f"config error: {err}\n")
+        return None
     from kdexp.train import run_point
 
-    return run_point(cfg)
+    try:
+        return run_point(cfg)
+    except Exception as err:
+        if multirun:
+            raise
+        if _is_diverged(err):  # kdexp.train wrote summary.json (status diverged) and error.log
+            _single_run_failed(1, f"kdexp: {err}", run_dir, None)
+            return None
+        _single_run_failed(None, None, run_dir, traceback.format_exc())
+        raise  # Hydra prints the traceback; exit status 1
 
 
-def cli() -> None:
+def cli(argv: Optional[Sequence[str]] = None) -> None:
+    sys.argv[1:] = hydra_argv(sys.argv[1:] if argv is None else argv)
     rundir.agree_on_stamp()
-    main()
+    try:
+        main()
+    except SystemExit as stop:
+        # Hydra reports a composition error (its short message, no traceback) and exits 1; that is a user error.
+        if stop.code == 1 and isinstance(stop.__context__, _COMPOSE_ERRORS):
+            raise SystemExit(2) from None
+        raise
+    if _EXIT:
+        raise SystemExit(_EXIT)
 
 
 if __name__ == "__main__":
