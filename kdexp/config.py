@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 
 @dataclass
@@ -82,6 +86,7 @@ class TrainerConfig:
     seed: int = 1234
     reuse_finished: bool = True  # in a sweep, a point whose resolved config already finished is not retrained
     export_hf: bool = False  # at the end, write the distilled student as a Hugging Face checkpoint (run_dir/student_hf)
+    skip_nonfinite: int = 0
 
 
 @dataclass
@@ -188,6 +193,69 @@ def _check_balancer(bal: Any) -> None:
         _fail("balancer.name", bal.name, "must be 'alpha' or 'dynamic'")
 
 
+# Generic rules: the one-line message says what the value must be.
+
+
+def _number(key: str, value: Any, *, gt: Optional[float] = None, ge: Optional[float] = None,
+            lt: Optional[float] = None, le: Optional[float] = None) -> None:
+    """A finite real number (not a bool) within the given bounds."""
+    lo, hi = (gt, "(") if gt is not None else (ge, "["), (lt, ")") if lt is not None else (le, "]")
+    if lo[0] is not None and hi[0] is not None:
+        allowed = f"must be a finite number in {lo[1]}{lo[0]:g}, {hi[0]:g}{hi[1]}"
+    else:
+        bounds = [f"{op} {b:g}" for op, b in ((">", gt), (">=", ge), ("<", lt), ("<=", le)) if b is not None]
+        allowed = "must be a finite number" + (" " + " and ".join(bounds) if bounds else "")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        _fail(key, value, allowed)
+    if (gt is not None and not value > gt) or (ge is not None and not value >= ge) or \
+            (lt is not None and not value < lt) or (le is not None and not value <= le):
+        _fail(key, value, allowed)
+
+
+def _integer(key: str, value: Any, *, ge: Optional[int] = None, lt: Optional[int] = None,
+             none_ok: bool = False) -> None:
+    if value is None and none_ok:
+        return
+    if ge is not None and lt is not None:
+        allowed = f"must be an integer in [{ge}, {lt - 1}]"
+    else:
+        allowed = "must be an integer" + (f" >= {ge}" if ge is not None else "") + (f" < {lt}" if lt is not None else "")
+    allowed += " (or null)" if none_ok else ""
+    if isinstance(value, bool) or not isinstance(value, int) or (ge is not None and value < ge) or \
+            (lt is not None and value >= lt):
+        _fail(key, value, allowed)
+
+
+def _text(key: str, value: Any, *, none_ok: bool = False) -> None:
+    if value is None and none_ok:
+        return
+    if not isinstance(value, str) or not value.strip():
+        _fail(key, value, "must be a non-empty string" + (" (or null)" if none_ok else ""))
+
+
+def _choice(key: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        _fail(key, value, "must be one of " + ", ".join("null" if c is None else str(c) for c in choices))
+
+
+def _unresolved(cfg: Any) -> None:
+    """A required value left unset (``???``) or an interpolation that does not resolve, named by its key."""
+    if not OmegaConf.is_config(cfg):
+        return
+    missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra"))
+    if missing:
+        _fail(missing[0], "???", "must be set (this option requires it)")
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "config"
+        raise ValueError(f"{key} is invalid: {type(err).__name__}: {str(err).splitlines()[0]}") from None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# model: names, checkpoint dirs and what their config.json says
+
+
 def _model_shape(name: str, key: str):
     from kdexp.models.spec import QWEN3_SIZES
 
@@ -196,90 +264,230 @@ def _model_shape(name: str, key: str):
     return QWEN3_SIZES[name]
 
 
+_HF_NEEDS = ("vocab_size", "num_attention_heads")  # what validate reads from a checkpoint's config.json
+
+
+def _hf_config(key: str, path: str) -> dict:
+    """The checkpoint's config.json, with the fields validate needs checked (a message naming ``key`` otherwise)."""
+    file = Path(path).expanduser() / "config.json"
+    if not file.is_file():
+        _fail(key, path, "must be a local Hugging Face checkpoint directory with config.json")
+    try:
+        hf = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        _fail(key, path, f"its config.json is not readable JSON ({type(err).__name__}: {err})")
+    if not isinstance(hf, dict):
+        _fail(key, path, "its config.json must hold a JSON object")
+    for field_ in _HF_NEEDS + ("num_key_value_heads", "max_position_embeddings"):
+        value = hf.get(field_)
+        if value is None and field_ not in _HF_NEEDS:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            what = "has no" if value is None else f"has {field_}={value!r}, not a positive integer, as"
+            _fail(key, path, f"its config.json {what} {field_!r}")
+    return hf
+
+
+def _shapes(cfg: Any) -> dict:
+    """Per role: (vocabulary or None when the tokenizer decides it, heads, kv heads, max positions)."""
+    out = {}
+    for role in ("teacher", "student"):
+        name, path = getattr(cfg.model, role), getattr(cfg.model, f"{role}_path")
+        spec = _model_shape(name, f"model.{role}")
+        if path is not None:
+            hf = _hf_config(f"model.{role}_path", path)
+            heads = hf["num_attention_heads"]
+            out[role] = (hf["vocab_size"], heads, hf.get("num_key_value_heads") or heads,
+                         hf.get("max_position_embeddings") or spec.max_position_embeddings)
+            continue
+        if name.startswith("tiny"):  # tiny presets take the tokenizer's vocabulary
+            vocab = cfg.data.vocab_size if cfg.data.name == "stdlib" and cfg.data.tokenizer is None else None
+        else:
+            vocab = spec.vocab_size
+        out[role] = (vocab, spec.num_heads, spec.num_kv_heads, spec.max_position_embeddings)
+    return out
+
+
 def _check_model(cfg: Any) -> None:
     m = cfg.model
     _model_shape(m.teacher, "model.teacher")
     _model_shape(m.student, "model.student")
-    if m.params_dtype not in _DTYPES:
-        _fail("model.params_dtype", m.params_dtype, f"must be one of {_DTYPES}")
-    for key in ("teacher_path", "student_path"):
-        path = getattr(m, key)
-        if path is not None and not (Path(path) / "config.json").is_file():
-            _fail(f"model.{key}", path, "must be a local Hugging Face checkpoint directory with config.json")
-    if m.teacher_path is None and not m.teacher.startswith("tiny"):
+    _choice("model.params_dtype", m.params_dtype, _DTYPES)
+    if m.teacher_path is None and not str(m.teacher).startswith("tiny"):
         _fail("model.teacher_path", None,
               f"is required for the real teacher model.teacher={m.teacher!r} (only tiny teachers are pretrained here)")
-    if m.teacher_pretrain_steps < 1:
-        _fail("model.teacher_pretrain_steps", m.teacher_pretrain_steps, "must be >= 1")
+    _integer("model.teacher_pretrain_steps", m.teacher_pretrain_steps, ge=1)
+    _number("model.teacher_pretrain_lr", m.teacher_pretrain_lr, gt=0)
 
 
-def _vocab_sizes(cfg: Any) -> tuple[Optional[int], Optional[int]]:
-    """Teacher and student vocabulary as far as it is known without building anything."""
-    def size(name: str, key: str, path: Optional[str]) -> Optional[int]:
-        if path is not None:
-            return json.loads((Path(path) / "config.json").read_text())["vocab_size"]
-        spec = _model_shape(name, key)
-        if name.startswith("tiny"):  # tiny presets take the tokenizer's vocabulary
-            return cfg.data.vocab_size if cfg.data.name == "stdlib" else None
-        return spec.vocab_size
-
-    return (size(cfg.model.teacher, "model.teacher", cfg.model.teacher_path),
-            size(cfg.model.student, "model.student", cfg.model.student_path))
+# ----------------------------------------------------------------------------------------------------------------------
+# data
 
 
-def _check_parallel(cfg: Any, vocab: Optional[int]) -> None:
+def _check_prefixes(key: str, items: Any) -> None:
+    """Megatron prefixes [p, ...] or a weighted blend [w, p, w, p, ...]: each with its .bin and .idx."""
+    items = [str(x) for x in items]
+    weights = items[0::2] if len(items) % 2 == 0 else []
+
+    def number(text: str) -> Optional[float]:
+        try:
+            return float(text)
+        except ValueError:
+            return None
+
+    parsed = [number(w) for w in weights]
+    if parsed and all(w is not None for w in parsed):
+        for w in parsed:
+            if not (math.isfinite(w) and w > 0):
+                _fail(key, items, f"blend weight {w:g} must be a finite number > 0")
+        prefixes = items[1::2]
+    elif any(w is not None for w in parsed):
+        _fail(key, items, "must be prefixes [p, ...] or a weighted blend [w, p, w, p, ...], not a mix")
+    else:
+        prefixes = items
+    for p in prefixes:
+        base = Path(p).expanduser()
+        lacking = [ext for ext in (".bin", ".idx") if not Path(f"{base}{ext}").is_file()]
+        if lacking:
+            _fail(key, items, f"no indexed dataset at {p!r} (missing {' and '.join(f'{p}{e}' for e in lacking)})")
+
+
+_SPLIT = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*,\s*([0-9]+(?:\.[0-9]*)?)\s*,\s*([0-9]+(?:\.[0-9]*)?)\s*")
+
+
+def _check_data(cfg: Any) -> None:
+    d = cfg.data
+    _choice("data.name", d.name, ("stdlib", "indexed"))
+    _integer("data.vocab_size", d.vocab_size, ge=257, lt=1_000_001)
+    _integer("data.max_chars", d.max_chars, ge=1)
+    _integer("data.max_documents", d.max_documents, ge=1, none_ok=True)
+    _number("data.val_fraction", d.val_fraction, gt=0, lt=0.5)
+    m = _SPLIT.fullmatch(str(d.split))
+    parts = [float(x) for x in m.groups()] if m else None
+    if parts is None or not sum(parts) > 0:
+        _fail("data.split", d.split, "must be 'train,valid,test': three non-negative numbers with a positive sum")
+    if d.name == "stdlib":
+        for key in ("prefixes", "valid_prefixes"):
+            if list(getattr(d, key)):
+                _fail(f"data.{key}", list(getattr(d, key)), "is only read with data=indexed (data=stdlib ignores it)")
+    else:
+        if not d.prefixes:
+            _fail("data.prefixes", list(d.prefixes), "must list at least one Megatron .bin/.idx prefix")
+        _check_prefixes("data.prefixes", d.prefixes)
+        if d.valid_prefixes:
+            _check_prefixes("data.valid_prefixes", d.valid_prefixes)
+        elif not (parts[0] > 0 and parts[1] > 0):
+            _fail("data.split", d.split, "must give train > 0 and valid > 0 (or set data.valid_prefixes)")
+        if d.max_documents is not None:
+            _fail("data.max_documents", d.max_documents, "is only read with data=stdlib (data=indexed ignores it)")
+
+
+def _check_tokenizer(cfg: Any) -> None:
+    """The tokenizer: data.tokenizer, else the teacher checkpoint's (with data=stdlib it replaces the trained BPE)."""
+    d = cfg.data
+    key, tok = ("data.tokenizer", d.tokenizer) if d.tokenizer is not None else \
+        ("model.teacher_path", cfg.model.teacher_path)
+    if tok is None:
+        if d.name == "indexed":
+            _fail("data.tokenizer", None, "must be a directory with tokenizer.json for data=indexed "
+                  "(or set model.teacher_path to a checkpoint that holds one)")
+        return
+    tok = Path(tok).expanduser()
+    if not ((tok / "tokenizer.json").is_file() or (tok / "tokenizer_config.json").is_file()):
+        _fail(key, str(tok), "must be a directory with tokenizer.json (the tokenizer of the data)")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# trainer, parallel, logger, paths
+
+
+def _check_trainer(t: Any, max_positions: int) -> None:
+    for key in ("max_steps", "micro_batch_size", "seq_length", "eval_interval", "eval_iters", "log_interval",
+                "checkpoint_interval"):
+        _integer(f"trainer.{key}", getattr(t, key), ge=1)
+    if t.seq_length > max_positions:
+        _fail("trainer.seq_length", t.seq_length, f"must be <= the models' max_position_embeddings {max_positions}")
+    _integer("trainer.warmup_steps", t.warmup_steps, ge=0)
+    if t.warmup_steps > t.max_steps:
+        _fail("trainer.warmup_steps", t.warmup_steps, f"must be in [0, trainer.max_steps={t.max_steps}]")
+    _number("trainer.lr", t.lr, gt=0)
+    _number("trainer.min_lr", t.min_lr, ge=0)
+    if t.min_lr > t.lr:
+        _fail("trainer.min_lr", t.min_lr, f"must be in [0, trainer.lr={t.lr}]")
+    _number("trainer.weight_decay", t.weight_decay, ge=0)
+    _number("trainer.grad_clip", t.grad_clip, ge=0)  # 0 disables clipping
+    _integer("trainer.seed", t.seed, ge=0, lt=2**32)
+    _integer("trainer.skip_nonfinite", t.skip_nonfinite, ge=0)
+    for key in ("reuse_finished", "export_hf"):
+        if not isinstance(getattr(t, key), bool):
+            _fail(f"trainer.{key}", getattr(t, key), "must be true or false")
+
+
+def _check_parallel(cfg: Any, shapes: dict, vocab: Optional[int]) -> None:
     tp = cfg.parallel.tensor
-    if tp < 1:
-        _fail("parallel.tensor", tp, "must be >= 1")
+    _integer("parallel.tensor", tp, ge=1)
     if cfg.parallel.pipeline != 1:
         _fail("parallel.pipeline", cfg.parallel.pipeline, "must be 1 (pipeline parallelism is not supported yet)")
-    for role in ("teacher", "student"):
-        path = getattr(cfg.model, f"{role}_path")
-        if path is not None:
-            hf = json.loads((Path(path) / "config.json").read_text())
-            heads, kv = hf["num_attention_heads"], hf.get("num_key_value_heads", hf["num_attention_heads"])
-        else:
-            spec = _model_shape(getattr(cfg.model, role), f"model.{role}")
-            heads, kv = spec.num_heads, spec.num_kv_heads
+    for role, (_, heads, kv, _) in shapes.items():
         for what, n in (("attention heads", heads), ("key/value heads", kv)):
             if n % tp:
                 _fail("parallel.tensor", tp, f"must divide the {role}'s {n} {what}")
     if vocab is not None and vocab % tp:
         _fail("parallel.tensor", tp, f"must divide the vocabulary size {vocab}")
+    world = os.environ.get("WORLD_SIZE")  # torchrun's; under SLURM the process group checks it
+    if world and world.isdigit() and int(world) % tp:
+        _fail("parallel.tensor", tp, f"must divide the world size {world} (WORLD_SIZE)")
 
 
-def _check_trainer(t: Any) -> None:
-    for key in ("max_steps", "micro_batch_size", "seq_length", "eval_interval", "eval_iters", "log_interval",
-                "checkpoint_interval"):
-        if getattr(t, key) < 1:
-            _fail(f"trainer.{key}", getattr(t, key), "must be >= 1")
-    if t.warmup_steps < 0:
-        _fail("trainer.warmup_steps", t.warmup_steps, "must be >= 0")
-    if not t.lr > 0 or t.min_lr < 0 or t.min_lr > t.lr:
-        _fail("trainer.min_lr", t.min_lr, f"must be in [0, trainer.lr={t.lr}] with trainer.lr > 0")
-    if t.grad_clip < 0:
-        _fail("trainer.grad_clip", t.grad_clip, "must be >= 0 (0 disables clipping)")
+_WANDB_MODES = ("online", "offline", "disabled", None)
+
+
+def _check_logger(cfg: Any) -> None:
+    lg, w = cfg.logger, cfg.logger.wandb
+    _text("logger.name", lg.name)
+    if not isinstance(w.enabled, bool):
+        _fail("logger.wandb.enabled", w.enabled, "must be true or false")
+    _choice("logger.wandb.mode", w.mode, _WANDB_MODES)
+    _text("logger.wandb.project", w.project)
+    _text("logger.wandb.entity", w.entity, none_ok=True)
+    _text("logger.wandb.group", w.group, none_ok=True)
+    for tag in w.tags:
+        if not isinstance(tag, str) or not 0 < len(tag) <= 64:
+            _fail("logger.wandb.tags", list(w.tags), f"each tag must be a string of 1 to 64 characters, not {tag!r}")
+    if not w.enabled:
+        for key in ("mode", "entity", "group"):
+            if getattr(w, key) is not None:
+                _fail(f"logger.wandb.{key}", getattr(w, key), "is ignored with W&B off (logger=none): drop it")
+
+
+def _check_paths(cfg: Any) -> None:
+    for key in ("cache", "index"):
+        value = getattr(cfg.paths, key)
+        _text(f"paths.{key}", value)
+        p = Path(value).expanduser()
+        if p.exists() and not p.is_dir():
+            _fail(f"paths.{key}", value, "must be a directory (or not exist yet), not a file")
+    _text("experiment_arm", cfg.experiment_arm, none_ok=True)
 
 
 def validate(cfg: Any) -> None:
-    """Check every value before any model, data or process group is built."""
-    if cfg.data.name not in ("stdlib", "indexed"):
-        _fail("data.name", cfg.data.name, "must be 'stdlib' or 'indexed'")
-    if cfg.data.name == "indexed" and not cfg.data.prefixes:
-        _fail("data.prefixes", list(cfg.data.prefixes), "must list at least one Megatron .bin/.idx prefix")
-    if cfg.data.name == "stdlib" and not 256 < cfg.data.vocab_size <= 1_000_000:
-        _fail("data.vocab_size", cfg.data.vocab_size, "must be in (256, 1000000]")
-    if not 0.0 < cfg.data.val_fraction < 0.5:
-        _fail("data.val_fraction", cfg.data.val_fraction, "must be in (0, 0.5)")
+    """Check every value before W&B, data, teacher, model or any process group is built; a ``ValueError`` whose one
+    line names the key, the value and what it must be."""
+    _unresolved(cfg)
+    _check_data(cfg)
     _check_model(cfg)
-    teacher_vocab, student_vocab = _vocab_sizes(cfg)
+    shapes = _shapes(cfg)
+    teacher_vocab, student_vocab = shapes["teacher"][0], shapes["student"][0]
     if teacher_vocab is not None and student_vocab is not None and teacher_vocab != student_vocab:
         raise ValueError(f"model.teacher vocabulary ({teacher_vocab}) and model.student vocabulary ({student_vocab}) "
                          "differ: logit distillation needs one shared vocabulary")
+    _check_tokenizer(cfg)
     _check_loss(cfg.loss, teacher_vocab)
     _check_balancer(cfg.balancer)
-    _check_trainer(cfg.trainer)
-    _check_parallel(cfg, teacher_vocab)
+    _check_trainer(cfg.trainer, min(s[3] for s in shapes.values()))
+    _check_parallel(cfg, shapes, teacher_vocab)
+    _check_logger(cfg)
+    _check_paths(cfg)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
