@@ -242,10 +242,10 @@ def _unresolved(cfg: Any) -> None:
     """A required value left unset (``???``) or an interpolation that does not resolve, named by its key."""
     if not OmegaConf.is_config(cfg):
         return
-    missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra"))
-    if missing:
-        _fail(missing[0], "???", "must be set (this option requires it)")
     try:
+        missing = sorted(k for k in OmegaConf.missing_keys(cfg) if not k.startswith("hydra"))
+        if missing:
+            _fail(missing[0], "???", "must be set (this option requires it)")
         OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "config"

@@ -50,7 +50,116 @@ def test_unknown_key_and_wrong_type_fail_at_compose():
         cfg_of("balancer.alpha=high")
 
 
-@pytest.mark.parametrize("overrides, key, allowed", [
+@pytest.fixture(autouse=True)
+def _temp_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KDEXP_CACHE", str(tmp_path / "cache"))  # paths.cache resolves here, never ~/.cache/kdexp
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Things on disk the table points at: {d}/corpus.{bin,idx}, {d}/half.bin (no .idx), {d}/tok/tokenizer.json,
+    checkpoint dirs with an empty, an empty-object, a head-less and a good config.json, a plain file."""
+    d = tmp_path_factory.mktemp("bad_configs")
+    (d / "corpus.bin").write_bytes(b"")
+    (d / "corpus.idx").write_bytes(b"")
+    (d / "half.bin").write_bytes(b"")
+    for name, text in (("empty_json", ""), ("no_vocab", "{}"), ("no_heads", '{"vocab_size": 4096}'),
+                       ("bad_heads", '{"vocab_size": 4096, "num_attention_heads": 0}'),
+                       ("good", '{"vocab_size": 4096, "num_attention_heads": 4, "num_key_value_heads": 2}'),
+                       ("notok", "")):
+        (d / name).mkdir()
+        if name != "notok":
+            (d / name / "config.json").write_text(text)
+    (d / "tok").mkdir()
+    (d / "tok" / "tokenizer.json").write_text("{}")
+    (d / "a_file").write_text("not a directory")
+    return d
+
+
+INDEXED = ["data=indexed", "data.prefixes=[{d}/corpus]", "data.tokenizer={d}/tok"]
+
+# (overrides, the key the message must start with, a regex the rest must match). {d} is the `files` dir.
+BAD = [
+    # trainer
+    (["trainer.lr=-1"], "trainer.lr=-1.0 is invalid", r"finite number > 0$"),
+    (["trainer.lr=0"], "trainer.lr", "> 0"),
+    (["trainer.lr=inf"], "trainer.lr", "finite number > 0"),
+    (["trainer.lr=nan"], "trainer.lr", "finite number > 0"),
+    (["trainer.min_lr=-1"], "trainer.min_lr", ">= 0"),
+    (["trainer.min_lr=1.0"], "trainer.min_lr", r"\[0, trainer.lr=0.002\]"),
+    (["trainer.min_lr=nan"], "trainer.min_lr", "finite"),
+    (["trainer.weight_decay=-1"], "trainer.weight_decay", ">= 0"),
+    (["trainer.weight_decay=inf"], "trainer.weight_decay", "finite"),
+    (["trainer.grad_clip=nan"], "trainer.grad_clip", "finite number >= 0"),
+    (["trainer.grad_clip=-1"], "trainer.grad_clip", ">= 0"),
+    (["trainer.seed=-1"], "trainer.seed", r"\[0, 4294967295\]"),
+    (["trainer.seed=4294967296"], "trainer.seed", r"\[0, 4294967295\]"),
+    (["trainer.warmup_steps=-1"], "trainer.warmup_steps", ">= 0"),
+    (["trainer.warmup_steps=201"], "trainer.warmup_steps", r"trainer.max_steps=200"),
+    (["trainer.max_steps=0"], "trainer.max_steps", ">= 1"),
+    (["trainer.micro_batch_size=0"], "trainer.micro_batch_size", ">= 1"),
+    (["trainer.seq_length=0"], "trainer.seq_length", ">= 1"),
+    (["trainer.seq_length=8192"], "trainer.seq_length", "max_position_embeddings 4096"),
+    (["trainer.eval_interval=0"], "trainer.eval_interval", ">= 1"),
+    (["trainer.eval_iters=0"], "trainer.eval_iters", ">= 1"),
+    (["trainer.log_interval=0"], "trainer.log_interval", ">= 1"),
+    (["trainer.checkpoint_interval=-3"], "trainer.checkpoint_interval", ">= 1"),
+    (["trainer.skip_nonfinite=-1"], "trainer.skip_nonfinite", ">= 0"),
+    (["trainer.lr=${{trainer.nothing}}"], "trainer.lr", "Interpolation"),
+    # data
+    (["data.name=web"], "data.name", "stdlib, indexed"),
+    (["data.max_chars=0"], "data.max_chars", ">= 1"),
+    (["data.max_documents=0"], "data.max_documents", ">= 1"),
+    (["data.val_fraction=0"], "data.val_fraction", r"\(0, 0.5\)"),
+    (["data.val_fraction=0.9"], "data.val_fraction", r"\(0, 0.5\)"),
+    (["data.val_fraction=nan"], "data.val_fraction", "finite"),
+    (["data.vocab_size=100"], "data.vocab_size", r"\[257, 1000000\]"),
+    (["data.split='1,2'"], "data.split", "'train,valid,test'"),
+    (["data.split='0,0,0'"], "data.split", "positive sum"),
+    (["data.split='a,b,c'"], "data.split", "non-negative numbers"),
+    (["data.prefixes=[{d}/corpus]"], "data.prefixes", "only read with data=indexed"),
+    (["data=indexed"], "data.prefixes=[]", "at least one"),
+    (["data=indexed", "data.prefixes=[]"], "data.prefixes", "at least one"),
+    (["data=indexed", "data.prefixes=[/nonexistent]"], "data.prefixes", r"/nonexistent.bin and /nonexistent.idx"),
+    (["data=indexed", "data.prefixes=[{d}/half]", "data.tokenizer={d}/tok"], "data.prefixes", r"half.idx\)$"),
+    (["data=indexed", "data.prefixes=[0.5,{d}/corpus,-1,{d}/corpus]", "data.tokenizer={d}/tok"], "data.prefixes",
+     "blend weight -1 must be a finite number > 0"),
+    (["data=indexed", "data.prefixes=[0.5,{d}/corpus,{d}/corpus,{d}/corpus]", "data.tokenizer={d}/tok"],
+     "data.prefixes", "not a mix"),
+    ([*INDEXED, "data.valid_prefixes=[{d}/nothing]"], "data.valid_prefixes", "no indexed dataset"),
+    ([*INDEXED, "data.split='100,0,0'"], "data.split", "valid > 0"),
+    ([*INDEXED, "data.max_documents=10"], "data.max_documents", "data=indexed ignores it"),
+    (["data=indexed", "data.prefixes=[{d}/corpus]"], "data.tokenizer=None", "tokenizer.json"),
+    (["data=indexed", "data.prefixes=[{d}/corpus]", "data.tokenizer={d}/notok"], "data.tokenizer", "tokenizer.json"),
+    (["data=indexed", "data.prefixes=[{d}/corpus]", "model.teacher_path={d}/good"], "model.teacher_path",
+     "tokenizer.json"),
+    # model
+    (["model.teacher_path={d}/empty_json"], "model.teacher_path", "not readable JSON"),
+    (["model.teacher_path={d}/no_vocab"], "model.teacher_path", "config.json has no 'vocab_size'"),
+    (["model.teacher_path={d}/no_heads"], "model.teacher_path", "config.json has no 'num_attention_heads'"),
+    (["model.teacher_path={d}/bad_heads"], "model.teacher_path", "num_attention_heads=0, not a positive integer"),
+    (["model.student_path={d}/no_vocab"], "model.student_path", "no 'vocab_size'"),
+    (["model.teacher_path=/nonexistent/ckpt"], "model.teacher_path", "config.json"),
+    (["model=qwen3"], "model.teacher_path=None", "required for the real teacher model.teacher='1.7b'"),
+    (["model.teacher_path=???"], "model.teacher_path='???'", "must be set"),
+    (["model.teacher=8b"], "model.teacher_path", "required"),
+    (["model.teacher=giant"], "model.teacher", "tiny-teacher"),
+    (["model.student=giant"], "model.student", "tiny-student"),
+    (["model.params_dtype=float8"], "model.params_dtype", "bfloat16"),
+    (["model.teacher_pretrain_steps=0"], "model.teacher_pretrain_steps", ">= 1"),
+    (["model.teacher_pretrain_lr=nan"], "model.teacher_pretrain_lr", "finite number > 0"),
+    # parallel
+    (["parallel.tensor=3"], "parallel.tensor", "teacher's 4 attention heads"),
+    (["parallel.tensor=0"], "parallel.tensor", ">= 1"),
+    (["parallel.pipeline=2"], "parallel.pipeline", "must be 1"),
+    # logger, paths
+    (["logger.wandb.mode=sometimes"], "logger.wandb.mode", "online, offline, disabled, null"),
+    (["logger=none", "logger.wandb.mode=online"], "logger.wandb.mode", "ignored with W&B off"),
+    (["logger.wandb.project=''"], "logger.wandb.project", "non-empty"),
+    (["logger.wandb.tags=['']"], "logger.wandb.tags", "1 to 64 characters"),
+    (["paths.cache={d}/a_file"], "paths.cache", "not a file"),
+    # loss and balancer (their rules live with the losses room; validate calls them)
     (["loss=top_p", "loss.top_p=1.5"], "loss.top_p", r"\(0, 1\]"),
     (["loss=top_p", "loss.top_p=0"], "loss.top_p", r"\(0, 1\]"),
     (["balancer.alpha=-0.1"], "balancer.alpha", r"\[0, 1\]"),
@@ -60,33 +169,61 @@ def test_unknown_key_and_wrong_type_fail_at_compose():
     (["loss.top_k=0"], "loss.top_k", ">= 1"),
     (["loss.top_k=5000"], "loss.top_k", "vocabulary size 4096"),
     (["loss.temperature=0"], "loss.temperature", "> 0"),
+    (["loss.temperature=inf"], "loss.temperature", "(finite|inf)"),
+    (["loss=top_p", "loss.min_k=5000"], "loss.min_k", "4096"),
+    (["balancer=dynamic", "balancer.alpha=5"], "balancer.alpha", "(dynamic|ignore)"),
     (["loss.divergence=hellinger"], "loss.divergence", "forward_kl"),
     (["loss.normalization=softmax"], "loss.normalization", "renormalize"),
     (["loss=renorm_topk", "loss.ghost_token=true"], "loss.ghost_token", "renormalize"),
-    (["parallel.tensor=3"], "parallel.tensor", "heads"),
-    (["parallel.tensor=0"], "parallel.tensor", ">= 1"),
-    (["parallel.pipeline=2"], "parallel.pipeline", "must be 1"),
-    (["trainer.max_steps=0"], "trainer.max_steps", ">= 1"),
-    (["trainer.min_lr=1.0"], "trainer.min_lr", "trainer.lr"),
-    (["model.params_dtype=float8"], "model.params_dtype", "bfloat16"),
-    (["model.teacher=giant"], "model.teacher", "tiny-teacher"),
-    (["model.teacher=8b"], "model.teacher_path", "required"),
-    (["model.teacher_path=/nonexistent/ckpt"], "model.teacher_path", "config.json"),
-    (["data=indexed", "data.prefixes=[]"], "data.prefixes", "at least one"),
-    (["data.val_fraction=0.9"], "data.val_fraction", r"\(0, 0.5\)"),
-])
-def test_bad_values_name_the_key(overrides, key, allowed):
+]
+
+
+def _ids(case):
+    return " ".join(case[0]).replace("{d}/", "")
+
+
+@pytest.mark.parametrize("overrides, key, allowed", BAD, ids=[_ids(c) for c in BAD])
+def test_bad_values_name_the_key(files, overrides, key, allowed):
     with pytest.raises(ValueError) as err:
-        validate(cfg_of(*overrides))
+        validate(cfg_of(*(o.format(d=files) for o in overrides)))
     message = str(err.value)
+    assert "\n" not in message, message  # one line
     assert message.startswith(key), message
     assert re.search(allowed, message), message
 
 
+def test_the_table_holds_every_rule_family():
+    keys = {re.match(r"[\w.]+", key).group(0) for _, key, _ in BAD}
+    assert len(BAD) >= 40
+    from kdexp.config import KdexpConfig
+
+    schema = OmegaConf.structured(KdexpConfig)
+    for group in ("trainer", "data", "model"):  # every key of these groups has a bad case in the table
+        for name in schema[group]:
+            if name not in ("reuse_finished", "export_hf"):  # booleans: a wrong type fails at compose
+                assert f"{group}.{name}" in keys, f"{group}.{name}"
+
+
+def test_good_indexed_and_checkpoint_configs_validate(files):
+    validate(cfg_of(*(o.format(d=files) for o in INDEXED)))
+    validate(cfg_of(*(o.format(d=files) for o in INDEXED), "data.prefixes=[0.3,{d}/corpus,0.7,{d}/corpus]".format(
+        d=files), "data.valid_prefixes=[{d}/corpus]".format(d=files), "data.split='1,0,0'"))
+    validate(cfg_of(f"model.teacher_path={files}/good", f"model.student_path={files}/good",
+                    f"data.tokenizer={files}/tok"))
+    validate(cfg_of("trainer.warmup_steps=200", "trainer.min_lr=0.002", "trainer.grad_clip=0", "trainer.seed=0"))
+
+
 def test_tensor_parallel_must_divide_the_vocabulary():
-    # 4 heads / 2 kv heads (teacher), 2 heads / 1 kv head (student): TP=2 only fails on an odd vocabulary
-    with pytest.raises(ValueError, match=r"parallel.tensor.*(vocabulary|heads)"):
+    # 4 heads / 2 kv heads (teacher and student): TP=2 divides the heads and only fails on an odd vocabulary
+    validate(cfg_of("parallel.tensor=2"))
+    with pytest.raises(ValueError, match=r"^parallel.tensor=2 is invalid: must divide the vocabulary size 4095$"):
         validate(cfg_of("parallel.tensor=2", "data.vocab_size=4095"))
+
+
+def test_tensor_parallel_must_divide_the_world_size(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match=r"^parallel.tensor=2 is invalid: must divide the world size 3"):
+        validate(cfg_of("parallel.tensor=2"))
 
 
 def test_removed_modelopt_keys_point_to_alpha():
