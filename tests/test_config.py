@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
@@ -255,3 +256,71 @@ def test_config_hash_ignores_logging_and_paths_only():
     assert config_hash(cfg_of("balancer.alpha=0.5")) != base
     assert config_hash(cfg_of("loss=top_p")) != base
     assert OmegaConf.select(cfg_of(), "paths.index").endswith("points")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One set of defaults: the schema. What each option of the model/data/trainer/logger groups changes against it.
+CONF = Path(kdexp.conf.__file__).parent
+OPTION_CHANGES = {
+    ("model", "qwen3_tiny"): {},
+    ("model", "qwen3"): {"teacher": "1.7b", "student": "0.6b", "params_dtype": "bfloat16"},
+    ("data", "stdlib"): {},
+    ("data", "indexed"): {"name": "indexed"},
+    ("trainer", "default"): {},
+    ("logger", "default"): {},
+    ("logger", "none"): {"name": "none", "wandb": {"enabled": False}},
+}
+
+
+def _own_keys(path: Path) -> dict:
+    """The values a group file sets (its defaults list aside), as a plain dict."""
+    node = OmegaConf.load(path)
+    data = OmegaConf.to_container(node) if node is not None else {}
+    data = data or {}
+    data.pop("defaults", None)
+    return data
+
+
+def test_every_option_of_the_groups_is_listed():
+    on_disk = {(p.parent.name, p.stem) for g in ("model", "data", "trainer", "logger") for p in (CONF / g).glob("*.yaml")}
+    assert on_disk == set(OPTION_CHANGES)
+
+
+@pytest.mark.parametrize("group, option", sorted(OPTION_CHANGES))
+def test_option_is_the_schema_default_plus_its_own_changes(group, option):
+    from kdexp.config import KdexpConfig
+
+    changes = OPTION_CHANGES[(group, option)]
+    assert _own_keys(CONF / group / f"{option}.yaml") == changes  # the file holds only what the option changes
+    expected = OmegaConf.merge(OmegaConf.structured(KdexpConfig)[group], changes)
+    composed = cfg_of(f"{group}={option}")
+    assert OmegaConf.to_container(composed[group]) == OmegaConf.to_container(expected)
+    rest = OmegaConf.to_container(composed, resolve=True)
+    default = OmegaConf.to_container(cfg_of(), resolve=True)
+    rest.pop(group), default.pop(group)
+    assert rest == default  # nothing outside its group moves
+
+
+def _leaves(data: dict, prefix: str = ""):
+    for k, v in data.items():
+        if isinstance(v, dict) and v:
+            yield from _leaves(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+@pytest.mark.parametrize("path", sorted(p.relative_to(CONF).as_posix() for g in ("experiment", "arm")
+                                        for p in (CONF / g).glob("*.yaml")))
+def test_experiment_and_arm_files_set_no_value_they_would_get_anyway(path):
+    """An experiment or arm sets only values that differ from what its selected groups give without it."""
+    option = f"{Path(path).parent.name}={Path(path).stem}"
+    own = {k: v for k, v in _leaves(_own_keys(CONF / path)) if not k.startswith("hydra")}
+    picked = [d.replace("override /", "").replace(": ", "=") for d in (OmegaConf.load(CONF / path).get("defaults")
+                                                                       or []) if isinstance(d, str)]
+    picked += [f"{k.replace('override /', '')}={v}" for d in (OmegaConf.load(CONF / path).get("defaults") or [])
+               if not isinstance(d, str) for k, v in d.items()]
+    without = cfg_of(*picked)
+    with_it = cfg_of(option)
+    for key, value in own.items():
+        assert OmegaConf.select(with_it, key) == value, key
+        assert OmegaConf.select(without, key) != value, f"{path}: {key}={value} is already the default"
