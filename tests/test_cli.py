@@ -1,0 +1,287 @@
+"""The command line as users type it: Hydra flags anywhere among the overrides (kdexp.run.hydra_argv), exit status 2
+with one line and no traceback for a user error, 1 for a diverged or failed run, and README's sweep line verbatim."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra._internal.utils import get_args_parser
+
+from kdexp.run import _is_diverged, hydra_argv
+from kdexp.track import records
+
+REPO = Path(__file__).resolve().parents[1]
+README_SWEEP = "python -m kdexp.run loss=top_p loss.top_p=0.9 -m balancer.alpha=0.5,0.9,1.0"
+
+
+def parse(argv):
+    """What Hydra's own parser makes of an argv (as hydra.main calls it)."""
+    return vars(get_args_parser().parse_args(argv))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the argv rewrite
+
+# Every flag of Hydra 1.3's parser: (option strings, a value it takes or None, the Namespace field and its value).
+FLAGS = [
+    (["-m", "--multirun"], None, "multirun", True),
+    (["-c", "--cfg"], "job", "cfg", "job"),
+    (["-c", "--cfg"], "hydra", "cfg", "hydra"),
+    (["-c", "--cfg"], "all", "cfg", "all"),
+    (["--resolve"], None, "resolve", True),
+    (["-p", "--package"], "loss", "package", "loss"),
+    (["-r", "--run"], None, "run", True),
+    (["-sc", "--shell-completion"], None, "shell_completion", True),
+    (["-cp", "--config-path"], "/some/conf", "config_path", "/some/conf"),
+    (["-cn", "--config-name"], "other", "config_name", "other"),
+    (["-cd", "--config-dir"], "/extra/conf", "config_dir", "/extra/conf"),
+    (["--experimental-rerun"], "/run/.hydra/config.pickle", "experimental_rerun", "/run/.hydra/config.pickle"),
+    (["-i", "--info"], "defaults", "info", "defaults"),
+    (["-i", "--info"], "searchpath", "info", "searchpath"),
+    (["-h", "--help"], None, "help", True),
+    (["--hydra-help"], None, "hydra_help", True),
+]
+
+
+def test_the_table_covers_every_flag_of_hydras_parser():
+    known = {s for a in get_args_parser()._actions for s in a.option_strings}
+    covered = {s for options, *_ in FLAGS for s in options} | {"--version"}
+    assert known == covered
+
+
+@pytest.mark.parametrize("where", ["front", "middle", "end"])
+@pytest.mark.parametrize("option, value, field, expected",
+                         [(o, v, f, e) for options, v, f, e in FLAGS for o in options])
+def test_every_flag_anywhere_keeps_its_value(where, option, value, field, expected):
+    flag = [option] if value is None else [option, value]
+    overrides = ["loss=top_p", "loss.top_p=0.9", "balancer.alpha=0.5,0.9,1.0"]
+    at = {"front": 0, "middle": 2, "end": 3}[where]
+    argv = overrides[:at] + flag + overrides[at:]
+    out = hydra_argv(argv)
+    got = parse(out)
+    assert got[field] == expected
+    assert got["overrides"] == overrides  # every override, in its order
+    canonical = parse(flag + overrides)  # what Hydra accepts today: flags first
+    assert got == canonical
+
+
+def test_attached_values_and_abbreviations_as_argparse_takes_them():
+    assert hydra_argv(["a=1", "--cfg=job", "b=2"]) == ["--cfg=job", "a=1", "b=2"]
+    assert hydra_argv(["a=1", "-cjob"]) == ["-c=job", "a=1"]
+    assert parse(hydra_argv(["a=1", "-cjob"]))["cfg"] == "job"
+    assert parse(hydra_argv(["a=1", "--multi", "b=2"])) == parse(["--multirun", "a=1", "b=2"])
+    assert parse(hydra_argv(["a=1", "--info=plugins", "b=2"]))["info"] == "plugins"
+
+
+def test_info_takes_only_one_of_its_choices():
+    # argparse alone would take the override as --info's value ("invalid choice: 'a=1'")
+    assert hydra_argv(["--info", "a=1"]) == ["--info=all", "a=1"]
+    assert parse(hydra_argv(["--info", "a=1"])) == {**parse(["--info", "all"]), "overrides": ["a=1"]}
+    assert hydra_argv(["a=1", "-i", "config", "b=2"]) == ["-i=config", "a=1", "b=2"]
+    assert hydra_argv(["a=1", "--info"]) == ["--info=all", "a=1"]
+
+
+def test_several_flags_keep_their_order_and_values():
+    argv = ["loss=top_p", "-m", "balancer.alpha=0.5,1.0", "--cfg", "job", "-p", "loss", "--resolve", "x=1"]
+    assert hydra_argv(argv) == ["-m", "--cfg=job", "-p=loss", "--resolve", "loss=top_p", "balancer.alpha=0.5,1.0",
+                                "x=1"]
+
+
+@pytest.mark.parametrize("override", ["hydra.job.name=-m", "+tags=[--cfg,job]", "data.split='-1,2,3'", "a=-1",
+                                      "hydra.run.dir=--multirun", "~trainer.lr", "+x=-p", "a=--info", "k=-"])
+def test_an_override_whose_value_looks_like_a_flag_stays_an_override(override):
+    argv = ["loss=top_p", override, "-m", "b=1"]
+    assert hydra_argv(argv) == ["-m", "loss=top_p", override, "b=1"]
+    assert parse(hydra_argv(argv))["overrides"] == ["loss=top_p", override, "b=1"]
+
+
+def test_a_value_that_starts_with_a_dash_is_joined_to_its_flag():
+    assert hydra_argv(["a=1", "-cn", "-odd-name"]) == ["-cn=-odd-name", "a=1"]
+    assert parse(hydra_argv(["a=1", "-cn", "-odd-name"]))["config_name"] == "-odd-name"
+
+
+def test_errors_stay_hydras_own(capsys):
+    # a flag missing its value goes last, so it cannot swallow an override, and argparse says what is wrong
+    assert hydra_argv(["a=1", "-p", "b=2"]) == ["-p=b=2", "a=1"]  # a value is a value (as argparse takes it)
+    assert hydra_argv(["a=1", "--package"]) == ["a=1", "--package"]
+    assert hydra_argv(["a=1", "--cfg", "-m"]) == ["-m", "a=1", "--cfg"]
+    with pytest.raises(SystemExit) as stop:
+        parse(hydra_argv(["a=1", "--cfg", "-m"]))
+    assert stop.value.code == 2 and "expected one argument" in capsys.readouterr().err
+    # unknown flags are passed on for argparse to name (without dragging the overrides into its message)
+    assert hydra_argv(["a=1", "--bogus", "b=2"]) == ["--bogus", "a=1", "b=2"]
+    with pytest.raises(SystemExit) as stop:
+        parse(hydra_argv(["a=1", "--bogus", "b=2"]))
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.rstrip().endswith("unrecognized arguments: --bogus")
+
+
+def test_double_dash_ends_the_flags():
+    assert hydra_argv(["a=1", "-m", "--", "b=2"]) == ["-m", "a=1", "--", "b=2"]
+    assert hydra_argv([]) == []
+    assert hydra_argv(["a=1"]) == ["a=1"]
+
+
+def test_diverged_is_matched_by_class_name():
+    class Diverged(RuntimeError):
+        pass
+
+    class Later(Diverged):
+        pass
+
+    assert _is_diverged(Diverged("x")) and _is_diverged(Later("x"))
+    assert not _is_diverged(RuntimeError("x")) and not _is_diverged(ValueError("Diverged"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# through the real command line
+
+
+@pytest.fixture
+def env(tmp_path):
+    e = dict(os.environ)
+    e["KDEXP_CACHE"] = str(tmp_path / "kdexp_cache")  # never ~/.cache/kdexp
+    e["WANDB_MODE"] = "disabled"
+    e["PYTHONUNBUFFERED"] = "1"
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    for key in ("KDEXP_RUN_STAMP", "HYDRA_FULL_ERROR", "WORLD_SIZE", "RANK"):
+        e.pop(key, None)
+    return e
+
+
+def kdexp(args, env, cwd, *, timeout=900, code=None):
+    cmd = [sys.executable, "-m", "kdexp.run", *args] if code is None else [sys.executable, "-c", code, *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_cfg_job_with_the_flag_before_or_after_the_overrides(env, tmp_path):
+    before = kdexp(["--cfg", "job", "loss=top_p"], env, tmp_path)
+    assert before.returncode == 0, before.stderr
+    cfg = yaml.safe_load(before.stdout)
+    assert cfg["loss"]["name"] == "top_p" and cfg["loss"]["top_p"] == 0.95 and cfg["balancer"]["alpha"] == 0.9
+    after = kdexp(["loss=top_p", "balancer.alpha=0.5", "--cfg", "job", "trainer.lr=0.01"], env, tmp_path)
+    assert after.returncode == 0, after.stderr
+    cfg = yaml.safe_load(after.stdout)
+    assert (cfg["loss"]["name"], cfg["balancer"]["alpha"], cfg["trainer"]["lr"]) == ("top_p", 0.5, 0.01)
+    short = kdexp(["loss=top_p", "-c", "job", "-p", "loss"], env, tmp_path)
+    assert short.returncode == 0, short.stderr
+    package = yaml.safe_load(short.stdout)  # only the loss node
+    assert package["name"] == "top_p" and package["min_k"] == 4 and "trainer" not in package
+    assert not (tmp_path / "outputs").exists() and not Path(env["KDEXP_CACHE"]).exists()
+
+
+def _nothing_built(env, cwd: Path) -> None:
+    cache = Path(env["KDEXP_CACHE"])
+    assert not cache.exists() or not any(cache.iterdir()), list(cache.rglob("*"))
+    assert not list(cwd.rglob("wandb")) and not list(cwd.rglob("checkpoints")) and not list(cwd.rglob("metrics.jsonl"))
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["trainer.lr=-1"], "kdexp: error: trainer.lr=-1.0 is invalid: must be a finite number > 0"),
+    (["trainer.seed=-1"], "kdexp: error: trainer.seed=-1 is invalid: must be an integer in [0, 4294967295]"),
+    (["data.max_chars=0"], "kdexp: error: data.max_chars=0 is invalid: must be an integer >= 1"),
+    (["data=indexed", "data.prefixes=[/nonexistent]"],
+     "kdexp: error: data.prefixes=['/nonexistent'] is invalid: no indexed dataset at '/nonexistent' "
+     "(missing /nonexistent.bin and /nonexistent.idx)"),
+    (["model.teacher_path={d}/teacher"],
+     "kdexp: error: model.teacher_path='{d}/teacher' is invalid: its config.json has no 'vocab_size'"),
+])
+def test_a_bad_value_is_one_line_exit_2_and_nothing_is_built(env, tmp_path, overrides, line):
+    (tmp_path / "teacher").mkdir()
+    (tmp_path / "teacher" / "config.json").write_text("{}")
+    run_dir = tmp_path / "run"
+    args = [o.format(d=tmp_path) for o in overrides]
+    r = kdexp([*args, f"hydra.run.dir={run_dir}"], env, tmp_path)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.splitlines() == [line.format(d=tmp_path)]
+    assert "Traceback" not in r.stdout + r.stderr
+    _nothing_built(env, tmp_path)
+    # the run dir says why, as a failed sweep point does
+    assert line.format(d=tmp_path).removeprefix("kdexp: error: ") in (run_dir / records.ERROR_LOG).read_text()
+    assert line.format(d=tmp_path).removeprefix("kdexp: error: ") in (run_dir / records.RUN_LOG).read_text()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["trainer.bogus=1"], "Key 'bogus' not in 'TrainerConfig'"),
+    (["trainer.lr=abc"], "Value 'abc' of type 'str' could not be converted to Float"),
+    (["model=nonexistent"], "Could not find 'model/nonexistent'"),
+    (["trainer.lr=-1", "--cfg", "job", "loss.bogus=1"], "Key 'bogus' not in 'LossConfig'"),
+    (["a=1", "--bogus"], "unrecognized arguments: --bogus"),
+    (["a=1", "--cfg"], "expected one argument"),
+])
+def test_a_config_hydra_cannot_compose_exits_2_without_traceback(env, tmp_path, args, says):
+    r = kdexp(args, env, tmp_path)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert says in r.stderr and "Traceback" not in r.stdout + r.stderr
+    _nothing_built(env, tmp_path)
+
+
+def test_a_sweep_records_points_that_fail_validation_and_exits_1(env, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    r = kdexp(["trainer.seed=-1,-2", "-m", f"hydra.sweep.dir={sweep_dir}"], env, tmp_path)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    sweep = records.read_json(sweep_dir / records.SWEEP)
+    assert [p["status"] for p in sweep["points"]] == ["failed", "failed"]
+    for p, seed in zip(sweep["points"], (-1, -2)):
+        assert f"trainer.seed={seed} is invalid" in p["error"]
+    _nothing_built(env, tmp_path)
+
+
+# A stand-in for kdexp.train.run_point, to see what run.py makes of a diverged or crashed run without training.
+_FAKE_TRAIN = textwrap.dedent("""
+    import sys, kdexp.train, kdexp.run
+    class Diverged(RuntimeError):
+        pass
+    def run_point(cfg):
+        if cfg.trainer.seed == 1:
+            raise Diverged("non-finite loss at step 4; the last finite checkpoint is step 3 in RUNDIR")
+        raise KeyError("something broke")
+    kdexp.train.run_point = run_point
+    kdexp.run.cli()
+""")
+
+
+def test_a_diverged_single_run_is_one_line_and_exit_1(env, tmp_path):
+    r = kdexp(["trainer.seed=1", f"hydra.run.dir={tmp_path / 'run'}"], env, tmp_path, code=_FAKE_TRAIN)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert r.stderr.splitlines()[-1] == "kdexp: non-finite loss at step 4; the last finite checkpoint is step 3 in RUNDIR"
+    assert "Traceback" not in r.stdout + r.stderr
+
+
+def test_a_crashed_single_run_exits_1_and_writes_its_error_log(env, tmp_path):
+    run_dir = tmp_path / "run"
+    r = kdexp(["trainer.seed=2", f"hydra.run.dir={run_dir}"], env, tmp_path, code=_FAKE_TRAIN)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "something broke" in r.stderr
+    assert "KeyError: 'something broke'" in (run_dir / records.ERROR_LOG).read_text()
+    assert "KeyError: 'something broke'" in (run_dir / records.RUN_LOG).read_text()
+
+
+@pytest.mark.slow
+def test_readme_sweep_line_verbatim(env, tmp_path):
+    readme = (REPO / "README.md").read_text()
+    assert re.search(rf"^{re.escape(README_SWEEP)}(\s|$)", readme, re.M), "README lost its sweep line"
+    sweep_dir = tmp_path / "sweep"
+    argv = shlex.split(README_SWEEP)
+    assert argv[:3] == ["python", "-m", "kdexp.run"]
+    r = kdexp([*argv[3:], "experiment=smoke", "logger=none", f"hydra.sweep.dir={sweep_dir}"], env, tmp_path)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
+    sweep = records.read_json(sweep_dir / records.SWEEP)
+    points = sorted(sweep["points"], key=lambda p: p["num"])
+    assert [p["status"] for p in points] == ["finished"] * 3
+    alphas = []
+    for p in points:
+        summary = records.read_json(Path(p["run_dir"]) / records.SUMMARY)
+        assert summary["status"] == "finished" and summary["steps"] == 6
+        cfg = yaml.safe_load((Path(p["run_dir"]) / ".hydra" / "config.yaml").read_text())
+        assert (cfg["loss"]["name"], cfg["loss"]["top_p"]) == ("top_p", 0.9)
+        alphas.append(cfg["balancer"]["alpha"])
+        assert f"balancer.alpha={cfg['balancer']['alpha']}" in summary["overrides"]
+    assert alphas == [0.5, 0.9, 1.0]
