@@ -249,7 +249,10 @@ def _unresolved(cfg: Any) -> None:
         OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "config"
-        raise ValueError(f"{key} is invalid: {type(err).__name__}: {str(err).splitlines()[0]}") from None
+        raw = OmegaConf.to_container(cfg, resolve=False)
+        for part in key.split("."):
+            raw = raw.get(part) if isinstance(raw, dict) else None
+        raise ValueError(f"{key}={raw!r} is invalid: {type(err).__name__}: {str(err).splitlines()[0]}") from None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -283,8 +286,8 @@ def _hf_config(key: str, path: str) -> dict:
         if value is None and field_ not in _HF_NEEDS:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            what = "has no" if value is None else f"has {field_}={value!r}, not a positive integer, as"
-            _fail(key, path, f"its config.json {what} {field_!r}")
+            _fail(key, path, f"its config.json has no {field_!r}" if value is None else
+                  f"its config.json has {field_}={value!r} (must be a positive integer)")
     return hf
 
 
@@ -369,7 +372,7 @@ def _check_data(cfg: Any) -> None:
     if d.name == "stdlib":
         for key in ("prefixes", "valid_prefixes"):
             if list(getattr(d, key)):
-                _fail(f"data.{key}", list(getattr(d, key)), "is only read with data=indexed (data=stdlib ignores it)")
+                _fail(f"data.{key}", list(getattr(d, key)), "data=stdlib ignores it (only data=indexed reads it)")
     else:
         if not d.prefixes:
             _fail("data.prefixes", list(d.prefixes), "must list at least one Megatron .bin/.idx prefix")
@@ -379,7 +382,7 @@ def _check_data(cfg: Any) -> None:
         elif not (parts[0] > 0 and parts[1] > 0):
             _fail("data.split", d.split, "must give train > 0 and valid > 0 (or set data.valid_prefixes)")
         if d.max_documents is not None:
-            _fail("data.max_documents", d.max_documents, "is only read with data=stdlib (data=indexed ignores it)")
+            _fail("data.max_documents", d.max_documents, "data=indexed ignores it (only data=stdlib reads it)")
 
 
 def _check_tokenizer(cfg: Any) -> None:
@@ -457,7 +460,7 @@ def _check_logger(cfg: Any) -> None:
     if not w.enabled:
         for key in ("mode", "entity", "group"):
             if getattr(w, key) is not None:
-                _fail(f"logger.wandb.{key}", getattr(w, key), "is ignored with W&B off (logger=none): drop it")
+                _fail(f"logger.wandb.{key}", getattr(w, key), "W&B is off (logger=none), so it would be ignored: drop it")
 
 
 def _check_paths(cfg: Any) -> None:
