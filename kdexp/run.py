@@ -167,8 +167,22 @@ def main(cfg: DictConfig):
         raise  # Hydra prints the traceback; exit status 1
 
 
+def _one_mode(argv: Sequence[str]) -> None:
+    """Hydra raises a bare ValueError (a traceback) for two modes at once, e.g. ``-m --cfg job``: a usage error."""
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args(argv)  # argparse errors exit 2 here, as they would in hydra.main
+    modes = [flag for flag, on in (("--run", args.run), ("--multirun", args.multirun), ("--cfg", args.cfg),
+                                   ("--info", args.info), ("--shell-completion", args.shell_completion)) if on]
+    if len(modes) > 1:
+        print(f"kdexp: error: {' and '.join(modes)} cannot be combined: give one of --run, --multirun, --cfg, --info"
+              " and --shell-completion", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def cli(argv: Optional[Sequence[str]] = None) -> None:
     sys.argv[1:] = hydra_argv(sys.argv[1:] if argv is None else argv)
+    _one_mode(sys.argv[1:])
     rundir.agree_on_stamp()
     try:
         main()

@@ -215,6 +215,7 @@ def test_a_bad_value_is_one_line_exit_2_and_nothing_is_built(env, tmp_path, over
     (["trainer.lr=-1", "--cfg", "job", "loss.bogus=1"], "Key 'bogus' not in 'LossConfig'"),
     (["a=1", "--bogus"], "unrecognized arguments: --bogus"),
     (["a=1", "--cfg"], "expected one argument"),
+    (["loss=topk,top_p", "-m", "--cfg", "job"], "kdexp: error: --multirun and --cfg cannot be combined"),
 ])
 def test_a_config_hydra_cannot_compose_exits_2_without_traceback(env, tmp_path, args, says):
     r = kdexp(args, env, tmp_path)
