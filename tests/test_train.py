@@ -26,14 +26,19 @@ def env(tmp_path_factory):
     return e
 
 
-def kdexp_run(args, env, cwd, *, torchrun: int = 0, check: bool = True, extra_env=None):
-    if torchrun:
+FAULT_RUN = str(Path(__file__).with_name("_fault_run.py"))  # kdexp.run that SIGKILLs itself after a given step
+
+
+def kdexp_run(args, env, cwd, *, torchrun: int = 0, check: bool = True, extra_env=None, kill_at: int = 0):
+    if kill_at:
+        cmd = [sys.executable, FAULT_RUN, str(kill_at), *args]
+    elif torchrun:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun),
                "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "kdexp.run", *args]
-    else:
+    if not kill_at and not torchrun:
         cmd = [sys.executable, "-m", "kdexp.run", *args]
     proc = subprocess.run(cmd, cwd=cwd, env={**env, **(extra_env or {})}, capture_output=True, text=True,
                           timeout=900)
@@ -108,7 +113,7 @@ def test_sigkill_then_resume_matches_uninterrupted(smoke_run, env, tmp_path):
     reference, _ = smoke_run
     run_dir = tmp_path / "killed"
     args = [*SMOKE, f"hydra.run.dir={run_dir}", "trainer.checkpoint_interval=2", "trainer.export_hf=true"]
-    proc = kdexp_run(args, env, tmp_path, check=False, extra_env={"KDEXP_FAULT_AT_STEP": "5"})
+    proc = kdexp_run(args, env, tmp_path, check=False, kill_at=5)
     assert proc.returncode == -9, proc.stderr[-3000:]  # SIGKILL after step 5, last checkpoint at step 4
     assert not (run_dir / "summary.json").exists()
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "4"

@@ -17,10 +17,10 @@ from hydra import compose, initialize_config_module
 
 import kdexp.config  # noqa: F401
 from kdexp import distributed, models
-from kdexp.data import batches, prepare
-from kdexp.train import objectives, optim
-from kdexp.train.loop import balancer_from, build_student, train_step
-from kdexp.train.teacher import get_teacher
+from kdexp.data import batches
+from kdexp.train import objectives
+from kdexp.train.loop import setup
+from kdexp.train.step import train_step
 
 
 def main(argv=None) -> None:
@@ -34,19 +34,19 @@ def main(argv=None) -> None:
     kdexp.config.validate(cfg)
     st = distributed.initialize(tensor_parallel=cfg.parallel.tensor, seed=cfg.trainer.seed)
     t = cfg.trainer
-    data = prepare(cfg.data, seq_length=t.seq_length, cache_dir=cfg.paths.cache, seed=t.seed,
-                   train_samples=max(t.max_steps, cfg.model.teacher_pretrain_steps, args.steps + args.warmup)
-                   * t.micro_batch_size * st.dp_size,
-                   val_samples=t.micro_batch_size * st.dp_size, tokenizer_path=cfg.data.tokenizer)
-    teacher = get_teacher(cfg, data)
-    student = build_student(cfg, data.vocab_size)
-    opt = optim.make_optimizer(student, lr=t.lr, weight_decay=t.weight_decay)
-    balancer = balancer_from(cfg)
-    stream = batches(data.train_ds, micro_batch_size=t.micro_batch_size, dp_rank=st.dp_rank, dp_size=st.dp_size)
+    s = setup(cfg)  # the trainer's own setup: same data, teacher (cache key), reseed, student and optimizer
+    student, teacher, opt, balancer, data = s.student, s.teacher, s.optimizer, s.balancer, s.data
+
+    def stream():  # the timed steps may outnumber the trainer's batches: start the stream over
+        while True:
+            yield from batches(data.train_ds, micro_batch_size=t.micro_batch_size, dp_rank=st.dp_rank,
+                               dp_size=st.dp_size)
+
+    train_batches = stream()
 
     def kd_step(batch):
         opt.zero_grad(set_to_none=True)
-        train_step(student, teacher, batch, balancer, cfg, needs_lm=True)
+        train_step(student, teacher, batch, balancer, cfg, needs_lm=balancer.needs_lm_loss)
         opt.step()
 
     def baseline_step(batch):
@@ -59,7 +59,7 @@ def main(argv=None) -> None:
 
     times = {"kd": [], "baseline": []}
     for i in range(args.warmup + args.steps):
-        batch = objectives.batch_to(next(stream), st.device)
+        batch = objectives.batch_to(next(train_batches), st.device)
         for name, fn in (("kd", kd_step), ("baseline", baseline_step)) if i % 2 else (
                 ("baseline", baseline_step), ("kd", kd_step)):
             if st.device.type == "cuda":

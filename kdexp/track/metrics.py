@@ -1,7 +1,7 @@
 """metrics.jsonl, the fixed-width console line, and interval averages kept on the device.
 
-Per-step values are summed as tensors and read back to the host once per log interval, so the training step itself
-never waits for the host. Only global rank 0 writes.
+Per-step values are summed as tensors and read back to the host once per log interval (the only other per-step host
+read is the non-finite guard's one scalar, kdexp.train.step). Only global rank 0 writes.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+from kdexp.track import records
 
 log = logging.getLogger("kdexp")
 
@@ -50,21 +52,32 @@ class IntervalMeter:
 
 
 class MetricsFile:
-    """Append-only metrics.jsonl; on resume, lines past the checkpoint step are dropped (they are recomputed)."""
+    """Append-only metrics.jsonl in strict JSON (kdexp.track.records: non-finite floats as strings).
 
-    def __init__(self, path: Path, enabled: bool, resume_step: Optional[int] = None):
+    On resume, lines past the checkpoint step are dropped (they are recomputed). A run resumed from another run's
+    checkpoint (``history``: that run's metrics.jsonl) starts from that run's lines up to the checkpoint step, so the
+    file holds the whole history.
+    """
+
+    def __init__(self, path: Path, enabled: bool, resume_step: Optional[int] = None,
+                 history: Optional[Path] = None):
         self.path = Path(path)
         self.enabled = enabled
-        if enabled and self.path.exists():
-            self._truncate_after(resume_step or 0)
+        if not enabled:
+            return
+        source = Path(history) if history is not None else self.path
+        if source.exists():
+            self._keep_until(source, resume_step or 0)
+        elif self.path.exists():  # the other run left no lines: this dir's own lines are of no checkpoint
+            self._keep_until(self.path, 0)
 
-    def _truncate_after(self, step: int) -> None:
+    def _keep_until(self, source: Path, step: int) -> None:
         kept = []
-        for line in self.path.read_text().splitlines():
+        for line in source.read_text().splitlines():
             try:
-                if json.loads(line)["step"] <= step:
+                if records.loads(line)["step"] <= step:
                     kept.append(line)
-            except (json.JSONDecodeError, KeyError):  # a line cut by a kill
+            except (json.JSONDecodeError, KeyError, TypeError):  # a line cut by a kill
                 continue
         fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".metrics.", suffix=".tmp")
         with os.fdopen(fd, "w") as f:
@@ -74,7 +87,7 @@ class MetricsFile:
     def write(self, record: dict) -> None:
         if self.enabled:
             with self.path.open("a") as f:
-                f.write(json.dumps(record, sort_keys=True) + "\n")
+                f.write(records.dumps(record, sort_keys=True) + "\n")
 
 
 def _fmt_eta(seconds: float) -> str:

@@ -1,56 +1,213 @@
 """Checkpoint / resume of the student: model shard, optimizer, step, data position, RNG, interval accumulators.
 
 Layout: ``checkpoints/step_<N>/tp<r>.pt`` (one file per TP rank; data-parallel replicas are identical, so only DP
-rank 0 writes) and ``checkpoints/latest`` holding N. A step directory is complete before ``latest`` points at it:
-every TP rank writes ``tp<r>.pt`` through a temp file + os.replace, a barrier, then global rank 0 replaces ``latest``.
-A run killed at any moment therefore resumes from the last complete step.
+rank 0 writes), beside it ``tp<r>.json`` = {"file", "bytes", "sha256", "step"}, and ``checkpoints/latest`` holding N.
+
+Writing: every TP rank writes ``tp<r>.pt`` through a temp file + fsync + os.replace, then its manifest the same way
+(the manifest is the commit mark of its file), a barrier, then global rank 0 replaces ``latest`` and rotates.
+A run killed at any moment therefore leaves either a complete step or a file without a manifest (never trusted).
+
+Reading: candidates are ``latest`` and then every older step dir, newest first (all step dirs when ``latest`` is
+missing or garbage, with a warning). Every rank verifies and loads its own file; the ranks agree on the first
+candidate that is intact on all of them, so a torn or corrupt latest falls back to the previous intact step with a
+warning that names the bad file, and under TP no two ranks load different steps. Never a silent restart from 0.
+
+Rotation keeps the step just written and the newest ``keep - 1`` complete steps before it; step dirs after it are
+from an abandoned timeline (another config, or a corrupt step this run fell back from) and are removed.
 """
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from kdexp import distributed
 from kdexp.data.cache import barrier
+from kdexp.track import records
+
+log = logging.getLogger("kdexp")
+
+_CHUNK = 1 << 22
+
+
+def step_dir(ckpt_dir: Path, step: int) -> Path:
+    return Path(ckpt_dir) / f"step_{step}"
+
+
+def steps_on_disk(ckpt_dir: Path) -> list[int]:
+    """Step numbers of the step_<N> directories, ascending."""
+    ckpt_dir = Path(ckpt_dir)
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in ckpt_dir.glob("step_*") if p.name[5:].isdigit() and p.is_dir())
 
 
 def latest_step(ckpt_dir: Path) -> Optional[int]:
+    """The step ``latest`` points at, or None when it is missing or not a step number."""
     try:
         return int((Path(ckpt_dir) / "latest").read_text().strip())
-    except (FileNotFoundError, ValueError):
+    except (FileNotFoundError, ValueError, UnicodeDecodeError):
         return None
 
 
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_CHUNK), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _manifest(path: Path) -> Path:
+    return path.with_suffix(".json")
+
+
+def write_file(path: Path, state: dict[str, Any], step: int) -> None:
+    """One checkpoint file and then its manifest, both atomically."""
+    _atomic_torch_save(state, path)
+    records.write_json(_manifest(path), {"file": path.name, "bytes": path.stat().st_size,
+                                         "sha256": sha256_file(path), "step": step})
+
+
+def verify(path: Path) -> Optional[str]:
+    """None when `path` matches its manifest, else why it does not (missing, torn, checksum mismatch)."""
+    manifest = records.read_json(_manifest(path))
+    if not path.is_file():
+        return f"{path} is missing"
+    if not isinstance(manifest, dict) or "sha256" not in manifest:
+        return f"{path} has no readable checksum manifest {_manifest(path).name} (its save did not complete)"
+    size = path.stat().st_size
+    if size != manifest.get("bytes"):
+        return f"{path} is {size} bytes, its manifest says {manifest.get('bytes')} (truncated or overwritten)"
+    digest = sha256_file(path)
+    if digest != manifest["sha256"]:
+        return f"{path} fails its checksum (sha256 {digest[:12]}..., manifest {manifest['sha256'][:12]}...)"
+    return None
+
+
+def _complete(ckpt_dir: Path, step: int, tp_size: int) -> bool:
+    """Every TP rank's manifest is there (cheap: no hashing; load() verifies the contents)."""
+    return all(_manifest(step_dir(ckpt_dir, step) / f"tp{r}.pt").is_file() for r in range(tp_size))
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _gather(obj: Any) -> list:
+    """`obj` of every rank (in rank order); the agreement step of load()."""
+    if _world() == 1:
+        return [obj]
+    out: list = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _from_rank0(obj: Any) -> Any:
+    if _world() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def save(ckpt_dir: Path, step: int, state: dict[str, Any], *, keep: int = 2) -> None:
+    """Write step `step` (collective: every rank calls it), point ``latest`` at it, rotate to `keep` steps."""
+    if keep < 1:
+        raise ValueError(f"keep={keep} must be >= 1")
     st = distributed.state()
     ckpt_dir = Path(ckpt_dir)
-    step_dir = ckpt_dir / f"step_{step}"
+    target = step_dir(ckpt_dir, step)
     if st.dp_rank == 0:
-        step_dir.mkdir(parents=True, exist_ok=True)
-        tmp = step_dir / f".tp{st.tp_rank}.pt.tmp"
-        torch.save(state, tmp)
-        os.replace(tmp, step_dir / f"tp{st.tp_rank}.pt")
+        target.mkdir(parents=True, exist_ok=True)
+        write_file(target / f"tp{st.tp_rank}.pt", state, step)
     barrier()
     if st.rank == 0:
         tmp = ckpt_dir / ".latest.tmp"
         tmp.write_text(f"{step}\n")
         os.replace(tmp, ckpt_dir / "latest")
-        steps = sorted(int(p.name[5:]) for p in ckpt_dir.glob("step_*") if p.name[5:].isdigit())
-        for old in steps[:-keep]:
-            shutil.rmtree(ckpt_dir / f"step_{old}", ignore_errors=True)
+        older = [s for s in steps_on_disk(ckpt_dir) if s < step and _complete(ckpt_dir, s, st.tp_size)]
+        kept = {step, *(older[-(keep - 1):] if keep > 1 else [])}
+        for s in steps_on_disk(ckpt_dir):
+            if s not in kept:
+                shutil.rmtree(step_dir(ckpt_dir, s), ignore_errors=True)
     barrier()
 
 
-def load(ckpt_dir: Path) -> Optional[dict[str, Any]]:
-    """This TP rank's state at the latest complete step, or None when there is none."""
-    step = latest_step(ckpt_dir)
-    if step is None:
-        return None
-    path = Path(ckpt_dir) / f"step_{step}" / f"tp{distributed.state().tp_rank}.pt"
-    # on the CPU: torch.set_rng_state takes a CPU tensor and AdamW's `step` counters must stay on the host;
-    # load_state_dict moves weights and moments to the model's device
-    return torch.load(path, map_location="cpu", weights_only=False)
+def _candidates(ckpt_dir: Path) -> list[int]:
+    on_disk = steps_on_disk(ckpt_dir)
+    pointer = Path(ckpt_dir) / "latest"
+    latest = latest_step(ckpt_dir)
+    if latest is not None and latest in on_disk:
+        return [latest, *sorted((s for s in on_disk if s < latest), reverse=True)]
+    if on_disk:
+        if pointer.exists():
+            try:
+                shown = pointer.read_text(errors="replace").strip()[:40]
+            except OSError as exc:
+                shown = f"<unreadable: {exc}>"
+            what = f"{pointer} holds {shown!r}, not a step on disk"
+        else:
+            what = f"{pointer} is missing"
+        log.warning("%s: falling back to the newest intact step dir of %s", what, on_disk)
+    return sorted(on_disk, reverse=True)
+
+
+def _load_local(path: Path) -> tuple[Optional[dict], Optional[str]]:
+    reason = verify(path)
+    if reason is not None:
+        return None, reason
+    try:
+        # on the CPU: torch.set_rng_state takes a CPU tensor and AdamW's `step` counters must stay on the host;
+        # load_state_dict moves weights and moments to the model's device
+        return torch.load(path, map_location="cpu", weights_only=False), None
+    except Exception as exc:  # noqa: BLE001 - a checksummed file that does not unpickle is not loadable either
+        return None, f"{path} does not load: {type(exc).__name__}: {exc}"
+
+
+def load(ckpt_dir: Path, *, config_hash: Optional[str] = None) -> Optional[dict[str, Any]]:
+    """This TP rank's state at the newest step intact on every rank (collective), or None when there is none.
+
+    A state written by another config (``config_hash`` given and different) is not resumed: None, with a warning.
+    """
+    st = distributed.state()
+    ckpt_dir = Path(ckpt_dir)
+    candidates = _from_rank0(_candidates(ckpt_dir) if st.rank == 0 else None)
+    bad: list[str] = []
+    for n, step in enumerate(candidates):
+        state, reason = _load_local(step_dir(ckpt_dir, step) / f"tp{st.tp_rank}.pt")
+        if state is not None and state.get("step") != step:
+            state, reason = None, f"{step_dir(ckpt_dir, step)}/tp{st.tp_rank}.pt holds step {state.get('step')}"
+        reasons = sorted({r for r in _gather(reason) if r is not None})
+        if not reasons:
+            if bad and st.rank == 0:
+                log.warning("resuming from the intact step %d instead", step)
+            if config_hash is not None and state.get("config_hash") != config_hash:
+                if st.rank == 0:
+                    log.warning("not resuming from %s: it was written by another config", ckpt_dir)
+                return None
+            return state
+        bad += reasons
+        if st.rank == 0:
+            nxt = f"trying step {candidates[n + 1]}" if n + 1 < len(candidates) else "no older step is left"
+            for r in reasons:
+                log.warning("checkpoint step %d is not intact: %s; %s", step, r, nxt)
+    if bad:
+        raise RuntimeError(f"no intact checkpoint in {ckpt_dir} (steps {candidates} all failed: {'; '.join(bad)}); "
+                           "remove the directory to start over")
+    return None

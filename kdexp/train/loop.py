@@ -1,29 +1,39 @@
 """The distillation loop: teacher forward (no grad) -> student forward -> LM + KD loss -> balancer -> AdamW.
 
-Eval every ``trainer.eval_interval`` steps and at the end; checkpoints every ``trainer.checkpoint_interval`` steps and at
-the end. A rerun in the same run dir resumes from the latest checkpoint and reproduces the uninterrupted run: the data
-stream restarts at the checkpoint's sample offset and the interval accumulators are part of the checkpoint.
+``setup(cfg)`` builds what a step needs (data, teacher, reseed, student, optimizer, balancer); the trainer and the step
+benchmark both use it. Eval every ``trainer.eval_interval`` steps and at the end; checkpoints every
+``trainer.checkpoint_interval`` steps and at the end. A rerun in the same run dir resumes from the latest intact
+checkpoint and reproduces the uninterrupted run: the data stream restarts at the checkpoint's sample offset and the
+interval accumulators are part of the checkpoint. A non-finite step is skipped or stops the run (kdexp.train.step).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
-import os
-import signal
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from kdexp import distributed, models
 from kdexp.data import batches, prepare
 from kdexp.losses import make_balancer
 from kdexp.track.metrics import IntervalMeter, MetricsFile, Progress, console_line, eval_line
 from kdexp.train import checkpoint, objectives, optim
+from kdexp.train.step import NonFiniteGuard, apply_update, evaluate, optimizer_tensors, train_step
 from kdexp.train.teacher import DTYPES, get_teacher
 
 log = logging.getLogger("kdexp")
+
+# Called as hook(step) after each step's eval and checkpoint (step is 1-based, as logged). For tools and tests, e.g.
+# the resume test's wrapper script kills the process at a step like a preempted node.
+STEP_END_HOOKS: list[Callable[[int], None]] = []
+
+
+def add_step_end_hook(hook: Callable[[int], None]) -> Callable[[int], None]:
+    STEP_END_HOOKS.append(hook)
+    return hook
 
 
 def balancer_from(cfg):
@@ -43,51 +53,19 @@ def build_student(cfg, vocab_size: int) -> torch.nn.Module:
     return models.build(spec, params_dtype=dtype)
 
 
-@torch.no_grad()
-def evaluate(student, teacher, val_batches: list[dict]) -> dict[str, float]:
-    """val/lm_loss, val/kl_to_teacher (full-vocabulary forward KL, T=1), val/top1_agreement; averaged over DP."""
-    st = distributed.state()
-    student.eval()
-    sums = torch.zeros(3, device=st.device)
-    for batch in val_batches:
-        t_logits = models.vocab_parallel_logits(teacher, batch["tokens"])
-        s_logits = models.vocab_parallel_logits(student, batch["tokens"])
-        mask = batch["loss_mask"]
-        sums += torch.stack([objectives.full_kl(s_logits, t_logits, mask),
-                             objectives.top1_agreement(s_logits, t_logits, mask),
-                             objectives.lm_loss(s_logits, batch["labels"], mask)])
-    student.train()
-    if st.dp_size > 1:
-        dist.all_reduce(sums, group=distributed.dp_group())
-        sums /= st.dp_size
-    kl, agree, lm = (sums / max(1, len(val_batches))).tolist()
-    return {"val/lm_loss": lm, "val/kl_to_teacher": kl, "val/top1_agreement": agree}
+@dataclasses.dataclass
+class Setup:
+    data: Any
+    teacher: torch.nn.Module
+    student: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    balancer: Any
 
 
-def train_step(student, teacher, batch, balancer, cfg, needs_lm: bool):
-    with torch.no_grad():
-        t_logits = models.vocab_parallel_logits(teacher, batch["tokens"])
-    s_logits = models.vocab_parallel_logits(student, batch["tokens"])
-    mask = batch["loss_mask"]
-    kd, stats = objectives.kd_loss(s_logits, t_logits, mask, cfg.loss)
-    if needs_lm:
-        lm = objectives.lm_loss(s_logits, batch["labels"], mask)
-    else:  # alpha == 1: the LM loss stays out of the graph; logged from a detached copy
-        with torch.no_grad():
-            lm_logged = objectives.lm_loss(s_logits.detach(), batch["labels"], mask)
-        lm = None
-    total, _ = balancer(lm, kd)
-    total.backward()
-    return {"train/loss": total.detach(), "train/lm_loss": (lm if lm is not None else lm_logged).detach(),
-            "train/kd_loss": kd.detach(), **{f"train/{k}": v for k, v in stats.items()}}
-
-
-def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path] = None,
-            wandb_logger=None) -> tuple[dict, torch.nn.Module]:
-    """Train the student; returns (final metrics, the student). Checkpoints of another config are not resumed."""
+def setup(cfg) -> Setup:
+    """Data, the frozen teacher, then (reseeded) the student, its optimizer and the balancer."""
     st = distributed.state()
     t = cfg.trainer
-    rank0 = st.rank == 0
     global_batch = t.micro_batch_size * st.dp_size
     data = prepare(cfg.data, seq_length=t.seq_length, cache_dir=cfg.paths.cache, seed=t.seed,
                    train_samples=max(t.max_steps, cfg.model.teacher_pretrain_steps) * global_batch,
@@ -98,34 +76,52 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
     student = build_student(cfg, data.vocab_size)
     student.train()
     opt = optim.make_optimizer(student, lr=t.lr, weight_decay=t.weight_decay)
-    balancer = balancer_from(cfg)
-    needs_lm = balancer.needs_lm_loss
+    return Setup(data=data, teacher=teacher, student=student, optimizer=opt, balancer=balancer_from(cfg))
+
+
+def _final(last_train: dict, last_eval: dict) -> dict:
+    return {**{k: v for k, v in last_train.items() if not k.startswith("train/lr")}, **last_eval}
+
+
+def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path] = None,
+            wandb_logger=None) -> tuple[dict, torch.nn.Module]:
+    """Train the student; returns (final metrics, the student). Raises kdexp.train.Diverged on a non-finite step.
+
+    Checkpoints of another config are not resumed."""
+    st = distributed.state()
+    t = cfg.trainer
+    rank0 = st.rank == 0
+    global_batch = t.micro_batch_size * st.dp_size
+    s = setup(cfg)
+    student, teacher, opt = s.student, s.teacher, s.optimizer
+    needs_lm = s.balancer.needs_lm_loss
     meter = IntervalMeter()
     last_train: dict[str, float] = {}
     last_eval: dict[str, float] = {}
 
     ckpt_dir = Path(run_dir) / "checkpoints"
-    state = checkpoint.load(ckpt_dir)
+    state, source = checkpoint.load(ckpt_dir, config_hash=config_hash), None
     if state is None and resume_from is not None:
-        state = checkpoint.load(Path(resume_from) / "checkpoints")
-    if state is not None and state.get("config_hash") != config_hash:
-        if rank0:
-            log.warning("not resuming from %s: it was written by another config", ckpt_dir)
-        state = None
-    start = 0
+        state = checkpoint.load(Path(resume_from) / "checkpoints", config_hash=config_hash)
+        source = Path(resume_from) if state is not None else None
+    start, saved = 0, None  # saved: the newest checkpoint step in this run dir
+    guard = NonFiniteGuard(t.skip_nonfinite)
     if state is not None:
         student.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
         meter.load_state_dict(state["meter"], st.device)
         last_train, last_eval, start = state["last_train"], state["last_eval"], state["step"]
+        guard.skipped = state.get("skipped", 0)
+        saved = start if source is None else None
         if rank0:
-            log.info("resuming from step %d (%s)", start, ckpt_dir if resume_from is None else resume_from)
-    metrics = MetricsFile(Path(run_dir) / "metrics.jsonl", enabled=rank0, resume_step=start)
+            log.info("resuming from step %d (%s)", start, ckpt_dir if source is None else source)
+    metrics = MetricsFile(Path(run_dir) / "metrics.jsonl", enabled=rank0, resume_step=start,
+                          history=None if source is None else source / "metrics.jsonl")
 
-    val_stream = batches(data.val_ds, micro_batch_size=t.micro_batch_size, dp_rank=st.dp_rank, dp_size=st.dp_size)
+    val_stream = batches(s.data.val_ds, micro_batch_size=t.micro_batch_size, dp_rank=st.dp_rank, dp_size=st.dp_size)
     val_batches = [objectives.batch_to(next(val_stream), st.device) for _ in range(t.eval_iters)]
-    stream = batches(data.train_ds, micro_batch_size=t.micro_batch_size, dp_rank=st.dp_rank, dp_size=st.dp_size,
+    stream = batches(s.data.train_ds, micro_batch_size=t.micro_batch_size, dp_rank=st.dp_rank, dp_size=st.dp_size,
                      start_sample=start * global_batch)
     tokens_per_step = global_batch * t.seq_length
     progress = Progress(t.max_steps, rank0)
@@ -136,44 +132,57 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
         if wandb_logger is not None:
             wandb_logger.log(record, record["step"])
 
-    fault_at = int(os.environ.get("KDEXP_FAULT_AT_STEP", "0"))
-    for step in range(start, t.max_steps):
-        batch = objectives.batch_to(next(stream), st.device)
-        lr = optim.lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup=t.warmup_steps, total=t.max_steps)
-        optim.set_lr(opt, lr)
-        opt.zero_grad(set_to_none=True)
-        parts = train_step(student, teacher, batch, balancer, cfg, needs_lm)
-        optim.average_gradients(student)
-        parts["train/grad_norm"] = optim.clip_gradients(student, t.grad_clip)
-        opt.step()
-        meter.add(parts)
-        interval_steps += 1
-        done = step + 1
-        progress.update(done)
-        if done % t.log_interval == 0 or done == t.max_steps:
-            elapsed = time.perf_counter() - interval_start
-            last_train = {**meter.averages(), "train/lr": lr,
+    try:
+        for step in range(start, t.max_steps):
+            done = step + 1
+            batch = objectives.batch_to(next(stream), st.device)
+            lr = optim.lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup=t.warmup_steps, total=t.max_steps)
+            optim.set_lr(opt, lr)
+            opt.zero_grad(set_to_none=True)
+            parts = train_step(student, teacher, batch, s.balancer, cfg, needs_lm)
+            optim.average_gradients(student)
+            parts["train/grad_norm"] = optim.clip_gradients(student, t.grad_clip)
+            finite = guard.check_step(done, parts["train/loss"], parts["train/grad_norm"],
+                                      metrics=_final(last_train, last_eval), checkpoint=saved)
+            apply_update(opt, finite)
+            if finite:
+                meter.add(parts)
+            interval_steps += 1
+            progress.update(done)
+            if done % t.log_interval == 0 or done == t.max_steps:
+                elapsed = time.perf_counter() - interval_start
+                averages = meter.averages()  # {} when every step of the interval was skipped
+                record = {**averages, "train/lr": lr, "train/skipped_steps": guard.skipped,
                           "perf/step_ms": 1000.0 * elapsed / interval_steps,
                           "perf/tokens_per_s": tokens_per_step * interval_steps / max(elapsed, 1e-9)}
-            meter.reset()
-            if rank0:
-                eta = (time.perf_counter() - run_start) / (done - start) * (t.max_steps - done)
-                log.info(console_line(done, t.max_steps, last_train, eta))
-            emit({"step": done, "kind": "train", **last_train})
-        if done % t.eval_interval == 0 or done == t.max_steps:
-            last_eval = evaluate(student, teacher, val_batches)
-            if rank0:
-                log.info(eval_line(done, last_eval))
-            emit({"step": done, "kind": "val", **last_eval})
-        if done % t.checkpoint_interval == 0 or done == t.max_steps:
-            checkpoint.save(ckpt_dir, done, {
-                "model": student.state_dict(), "optimizer": opt.state_dict(), "rng": torch.get_rng_state(),
-                "meter": meter.state_dict(), "last_train": last_train, "last_eval": last_eval, "step": done,
-                "config_hash": config_hash})
-        if fault_at == done:  # fault injection for the resume test: die like a preempted node
-            os.kill(os.getpid(), signal.SIGKILL)
-        if done % t.log_interval == 0 or done == t.max_steps:
-            interval_start, interval_steps = time.perf_counter(), 0  # eval and checkpoint time are not step time
-    progress.close()
-    final = {**{k: v for k, v in last_train.items() if not k.startswith("train/lr")}, **last_eval}
-    return final, student
+                last_train = {**last_train, **record}  # a fully skipped interval keeps the last finite losses
+                meter.reset()
+                if rank0:
+                    eta = (time.perf_counter() - run_start) / (done - start) * (t.max_steps - done)
+                    log.info(console_line(done, t.max_steps, last_train, eta) if averages else
+                             f"step {done:>6d}/{t.max_steps:<6d} every step of this interval was skipped "
+                             f"(non-finite; {guard.skipped} skipped in all)")
+                emit({"step": done, "kind": "train", **record})
+            if done % t.eval_interval == 0 or done == t.max_steps:
+                values = evaluate(student, teacher, val_batches)
+                guard.check_values(done, values, "eval metrics", metrics=_final(last_train, last_eval),
+                                   checkpoint=saved)
+                last_eval = values
+                if rank0:
+                    log.info(eval_line(done, last_eval))
+                emit({"step": done, "kind": "val", **last_eval})
+            if done % t.checkpoint_interval == 0 or done == t.max_steps:
+                guard.check_state(done, [*student.parameters(), *optimizer_tensors(opt)],
+                                  metrics=_final(last_train, last_eval), checkpoint=saved)
+                checkpoint.save(ckpt_dir, done, {
+                    "model": student.state_dict(), "optimizer": opt.state_dict(), "rng": torch.get_rng_state(),
+                    "meter": meter.state_dict(), "last_train": last_train, "last_eval": last_eval, "step": done,
+                    "skipped": guard.skipped, "config_hash": config_hash})
+                saved = done
+            for hook in STEP_END_HOOKS:
+                hook(done)
+            if done % t.log_interval == 0 or done == t.max_steps:
+                interval_start, interval_steps = time.perf_counter(), 0  # eval and checkpoint time are not step time
+    finally:
+        progress.close()
+    return _final(last_train, last_eval), student

@@ -4,12 +4,17 @@
 - In a sweep, a point whose resolved config (``kdexp.config.config_hash``) finished in an earlier sweep is reused
   (its summary copied, ``reused_from`` set) and one that was interrupted resumes from that run's checkpoints.
 - Exceptions propagate: in a sweep ``kdexp.track.sweep.SweepCallback`` records the failing point (its traceback in
-  its own log, point.json and sweep.json) and lets the other points go on.
+  its own log, point.json and sweep.json) and lets the other points go on; a single run writes its traceback to its
+  run.log and error.log here.
+- A non-finite step raises ``Diverged``: summary.json gets status "diverged" (step, message, last finite metrics,
+  last finite checkpoint), then it propagates (exit status != 0). A rerun of a diverged config is refused with the
+  same error (not retrained: it would diverge again); deleting its summary.json retries from its last checkpoint.
 """
 from __future__ import annotations
 
 import logging
 import time
+import traceback
 import warnings
 from pathlib import Path
 
@@ -18,7 +23,8 @@ from hydra.types import RunMode
 
 from kdexp import distributed
 from kdexp.config import config_hash
-from kdexp.track import rundir, sweep
+from kdexp.track import records, rundir, sweep
+from kdexp.train.errors import Diverged
 from kdexp.track.wandb_logger import WandbLogger
 
 log = logging.getLogger("kdexp")
@@ -37,27 +43,55 @@ def _identity(cfg):
     return Path(hc.runtime.output_dir), multirun, list(hc.overrides.task), hc
 
 
+def _diverged_before(run_dir: Path, earlier: dict, where: Path) -> Diverged:
+    """A rerun of a config that diverged: not retrained (it would diverge again), and not a success either."""
+    ckpt = earlier.get("checkpoint")
+    retry = (f"delete {where / records.SUMMARY} to retry from its last finite checkpoint (step {ckpt})"
+             if ckpt is not None else f"delete {where} to retry from step 0")
+    return Diverged(f"{run_dir}: this config diverged before in {where} at step {earlier.get('step')}; not "
+                    f"retrained: {retry}, or change the config (e.g. trainer.skip_nonfinite, trainer.lr). "
+                    f"It said: {earlier.get('error')}", step=earlier.get("step") or 0,
+                    metrics=earlier.get("final"), skipped=earlier.get("skipped_steps") or 0, checkpoint=ckpt)
+
+
 def run_point(cfg) -> dict:
+    """Run (or reuse) one point. A failure outside a sweep leaves its traceback in run.log and error.log (in a sweep,
+    SweepCallback records it); a divergence also leaves summary.json with status "diverged"; then it re-raises."""
     run_dir, multirun, overrides, hc = _identity(cfg)
+    try:
+        return _run_point(cfg, run_dir, multirun, overrides, hc)
+    except Exception as exc:
+        if not multirun and sweep.global_rank() == 0:
+            what = "run diverged" if isinstance(exc, Diverged) else "run failed"
+            records.write_error(run_dir, what, traceback.format_exc())
+        raise
+
+
+def _run_point(cfg, run_dir: Path, multirun: bool, overrides: list, hc) -> dict:
     key = config_hash(cfg)
     rank0 = sweep.global_rank() == 0  # before any process group exists
-    done = rundir.read_json(run_dir / "summary.json")
+    done = records.read_json(run_dir / records.SUMMARY)
     if done is not None and done.get("config_hash") == key:
+        if done.get("status") == "diverged":
+            raise _diverged_before(run_dir, done, run_dir)
         if rank0:
-            log.info("already finished: %s", run_dir / "summary.json")
+            log.info("already finished: %s", run_dir / records.SUMMARY)
         return done
     if done is not None and rank0:  # another config finished here before: its summary must not stand for this run
-        (run_dir / "summary.json").unlink()
+        (run_dir / records.SUMMARY).unlink()
 
     index = rundir.PointIndex(cfg.paths.index)
     previous = index.lookup(key) if (multirun and cfg.trainer.reuse_finished) else None
     if previous is not None and previous.resolve() != run_dir.resolve():
-        earlier = rundir.read_json(previous / "summary.json")
-        if earlier is not None:
+        earlier = records.read_json(previous / records.SUMMARY)
+        if earlier is not None and earlier.get("status") in (*records.ENDED_WELL, "diverged"):
             summary = {**earlier, "overrides": overrides, "reused_from": str(previous)}
             if rank0:
-                rundir.write_json(run_dir / "summary.json", summary)  # SweepCallback marks the point reused
-                log.info("reused finished point %s (same resolved config %s)", previous, key)
+                records.write_json(run_dir / records.SUMMARY, summary)  # SweepCallback marks the point reused
+                log.info("reused %s point %s (same resolved config %s)",
+                         "diverged" if earlier["status"] == "diverged" else "finished", previous, key)
+            if earlier["status"] == "diverged":
+                raise _diverged_before(run_dir, earlier, previous)
             return summary
     else:
         previous = None
@@ -72,25 +106,36 @@ def run_point(cfg) -> dict:
 
     wandb_logger = WandbLogger(cfg, run_dir, enabled=distributed.is_rank0(), overrides=overrides,
                                **sweep.wandb_names(hc))
+    record = {"config_hash": key, "overrides": overrides, "steps": cfg.trainer.max_steps, "reused_from": None,
+              "run_dir": str(run_dir)}
     try:
         final, student = distill(cfg, run_dir, config_hash=key, resume_from=previous, wandb_logger=wandb_logger)
         if cfg.trainer.export_hf:  # every rank: save_hf gathers the TP shards, rank 0 writes
             from kdexp.models import save_hf
 
             save_hf(student, run_dir / "student_hf")  # the spec rides on the model (model.kdexp_spec)
+    except Diverged as exc:
+        if distributed.is_rank0():
+            wandb_logger.summary({**exc.metrics, "diverged_step": exc.step})
+            records.write_json(run_dir / records.SUMMARY, {  # strict JSON; the last finite metrics
+                **record, "status": "diverged", "step": exc.step, "error": str(exc), "final": exc.metrics,
+                "skipped_steps": exc.skipped, "checkpoint": exc.checkpoint,
+                "wall_s": time.perf_counter() - started})
+            log.error("%s\n  run dir: %s", exc, run_dir)
+        wandb_logger.finish(exit_code=1)
+        raise
     except BaseException:
         wandb_logger.finish(exit_code=1)
         raise  # in a sweep, SweepCallback records it (point.json, error.log) and the other points go on
 
-    summary = {"status": "finished", "config_hash": key, "overrides": overrides, "steps": cfg.trainer.max_steps,
-               "wall_s": time.perf_counter() - started, "final": final, "reused_from": None,
-               "run_dir": str(run_dir)}
+    summary = {**record, "status": "finished", "wall_s": time.perf_counter() - started, "final": final,
+               "skipped_steps": int(final.get("train/skipped_steps", 0))}
     if distributed.is_rank0():
         wandb_logger.summary(final)
-        rundir.write_json(run_dir / "summary.json", summary)  # last: its presence means the run finished
+        records.write_json(run_dir / records.SUMMARY, summary)  # last: its presence means the run finished
         index.claim(key, run_dir)  # later identical points reuse this finished run (it may have resumed another's)
         log.info("run dir: %s\n  metrics: %s\n  summary: %s%s", run_dir, run_dir / "metrics.jsonl",
-                 run_dir / "summary.json",
+                 run_dir / records.SUMMARY,
                  f"\n  W&B: {run_dir / 'wandb'} (sync with: wandb sync {run_dir / 'wandb'}/offline-run-*)"
                  if wandb_logger.run is not None else "")
     wandb_logger.finish()
