@@ -46,7 +46,6 @@ class DistState:
 
 
 _STATE: Optional[DistState] = None
-_OWNS_PROCESS_GROUP = False
 
 
 def _check_size(name: str, value) -> int:
@@ -91,7 +90,6 @@ def _launch_env():
 
 
 def _init_process_group(backend: str) -> tuple[int, int, int, str]:
-    global _OWNS_PROCESS_GROUP
     if dist.is_initialized():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         return dist.get_rank(), dist.get_world_size(), local_rank, "existing"
@@ -109,7 +107,6 @@ def _init_process_group(backend: str) -> tuple[int, int, int, str]:
     else:
         dist.init_process_group(backend=backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
                                 timeout=timeout)
-    _OWNS_PROCESS_GROUP = True
     return rank, world, local_rank, source
 
 
@@ -206,11 +203,10 @@ def is_rank0() -> bool:
 
 def destroy() -> None:
     """Tear down megatron's parallel state and the process group (tests; end of a run)."""
-    global _STATE, _OWNS_PROCESS_GROUP
+    global _STATE
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
     _STATE = None
-    _OWNS_PROCESS_GROUP = False
