@@ -53,6 +53,7 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", set_device)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: device["index"])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
     monkeypatch.setattr(tensor_parallel, "model_parallel_cuda_manual_seed",
                         lambda seed, *a, **kw: calls.append(("model_parallel_cuda_manual_seed", seed, a, kw)))
@@ -68,6 +69,13 @@ def test_initialize_cuda_branch_selects_the_gpu_uses_nccl_and_seeds_megatron(tor
     assert torch.initial_seed() == 4321  # the default stream too
     kd.reseed(99)  # the trainer's reseed before each model build takes the same branch
     assert fake_cuda[-1] == ("model_parallel_cuda_manual_seed", 99, (), {}) and torch.initial_seed() == 99
+
+
+def test_initialize_cuda_branch_with_one_visible_gpu_per_task(torchrun_rank, fake_cuda, monkeypatch):
+    """SLURM with --gpus-per-task=1 (or gpu binding): local rank 3 sees a single GPU, which is device 0."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    st = kd.initialize(tensor_parallel=1, seed=1)
+    assert fake_cuda[0] == ("set_device", 0) and st.device == torch.device("cuda", 0) and st.local_rank == 3
 
 
 def test_megatron_cuda_seeding_and_the_cpu_twin_agree(monkeypatch):
