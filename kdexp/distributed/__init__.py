@@ -46,7 +46,6 @@ class DistState:
 
 
 _STATE: Optional[DistState] = None
-_OWNS_PROCESS_GROUP = False
 
 
 def _check_size(name: str, value) -> int:
@@ -91,13 +90,14 @@ def _launch_env():
 
 
 def _init_process_group(backend: str) -> tuple[int, int, int, str]:
-    global _OWNS_PROCESS_GROUP
     if dist.is_initialized():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         return dist.get_rank(), dist.get_world_size(), local_rank, "existing"
     rank, world, local_rank, addr, port, source = _launch_env()
     if backend == "nccl":
-        torch.cuda.set_device(local_rank)
+        # Before the group exists. Modulo: where SLURM binds each task to its own GPU (--gpus-per-task, gpu-bind)
+        # a task sees one device, index 0, whatever its local rank.
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
     timeout = datetime.timedelta(minutes=30)
     if source == "torchrun" and (port is not None or world > 1):
         # env:// lets torchrun's agent store (already listening on MASTER_PORT) serve the rendezvous.
@@ -109,7 +109,6 @@ def _init_process_group(backend: str) -> tuple[int, int, int, str]:
     else:
         dist.init_process_group(backend=backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
                                 timeout=timeout)
-    _OWNS_PROCESS_GROUP = True
     return rank, world, local_rank, source
 
 
@@ -206,11 +205,10 @@ def is_rank0() -> bool:
 
 def destroy() -> None:
     """Tear down megatron's parallel state and the process group (tests; end of a run)."""
-    global _STATE, _OWNS_PROCESS_GROUP
+    global _STATE
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
     _STATE = None
-    _OWNS_PROCESS_GROUP = False

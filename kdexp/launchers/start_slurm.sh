@@ -80,7 +80,14 @@ EOF
 # Node states in which jobs can start ("idle", "mixed", "allocated", possibly with a suffix like "idle*" stripped).
 node_state() { sinfo -h -N -n "$NODE" -p "$PARTITION" -o '%T' 2>/dev/null | head -n1 | tr -d '*~#$@+' || true; }
 node_ok() { case "$(node_state)" in idle|mixed|allocated|completing) return 0 ;; *) return 1 ;; esac; }
-pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# pid_alive PIDFILE: the pid in the file runs the daemon the file is named after (a pid file left by a killed daemon
+# or a restarted container may hold a pid that another process has since been given).
+pid_alive() {
+  local pid name
+  pid="$(cat "$1" 2>/dev/null)" || return 1
+  name="$(basename "$1" .pid)"
+  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$name" ]
+}
 munge_ok() { command -v munge >/dev/null 2>&1 && munge -n 2>/dev/null | unmunge >/dev/null 2>&1; }
 
 # --- fast path: everything already up with this configuration ----------------------------------------------------
@@ -99,16 +106,19 @@ fi
 if ! command -v slurmctld >/dev/null 2>&1 || ! command -v slurmd >/dev/null 2>&1 || ! command -v munged >/dev/null 2>&1; then
   say "installing slurm-wlm and munge (apt-get)"
   # Keep the packages' postinst from starting daemons with their own (missing) configuration: we start them below.
-  added_policy=0
   if [ ! -e /usr/sbin/policy-rc.d ]; then
     printf '#!/bin/sh\nexit 101\n' | as_root tee /usr/sbin/policy-rc.d >/dev/null
     as_root chmod 755 /usr/sbin/policy-rc.d
-    added_policy=1
+    trap 'as_root rm -f /usr/sbin/policy-rc.d' EXIT  # also when apt-get fails: never leave it behind
   fi
-  export DEBIAN_FRONTEND=noninteractive
-  as_root apt-get update -qq >&2
-  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurm-wlm munge >&2
-  if [ "$added_policy" = 1 ]; then as_root rm -f /usr/sbin/policy-rc.d; fi
+  as_root apt-get update -qq >&2 || die "apt-get update failed (no network or no package mirror?)"
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends slurm-wlm munge >&2 \
+    || die "apt-get install slurm-wlm munge failed"
+  as_root rm -f /usr/sbin/policy-rc.d
+  trap - EXIT
+  for bin in slurmctld slurmd munged sinfo scontrol; do
+    command -v "$bin" >/dev/null 2>&1 || die "$bin is missing after installing slurm-wlm and munge"
+  done
 fi
 
 # --- munge -----------------------------------------------------------------------------------------------------------

@@ -7,7 +7,12 @@ say() { echo "[stop_slurm] $*" >&2; }
 SUDO=""
 if [ "$(id -u)" -ne 0 ] && command -v sudo >/dev/null 2>&1; then SUDO="sudo"; fi
 as_root() { if [ -n "$SUDO" ]; then $SUDO "$@"; else "$@"; fi; }
-pid_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# The pid in the file runs the daemon the file is named after: a stale pid file must not make us kill another process.
+pid_alive() {
+  local pid
+  pid="$(cat "$1" 2>/dev/null)" || return 1
+  [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$(basename "$1" .pid)" ]
+}
 
 if command -v scancel >/dev/null 2>&1 && pid_alive /run/slurmctld.pid; then
   as_root scancel --full --quiet --user="$(id -un)" 2>/dev/null || true

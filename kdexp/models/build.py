@@ -63,7 +63,9 @@ def transformer_config(spec: Qwen3Spec, *, params_dtype=torch.float32, tp: int =
         # Why: with bf16/fp16 params megatron keeps the attention softmax in fp32 (as transformers does).
         attention_softmax_in_fp32=True,
         tensor_model_parallel_size=tp,
-        # CPU: build master weights on the CPU and slice them (also makes the init independent of TP size).
+        # CPU: build master weights on the CPU and slice them (also makes the init independent of TP size). GPU:
+        # each rank initializes its shard on its device inside the model-parallel RNG fork, so a random init
+        # differs between TP sizes there (checkpoints loaded with init=False do not).
         use_cpu_initialization=not torch.cuda.is_available(),
         # load_hf overwrites every weight; skip the random init there.
         perform_initialization=init,
