@@ -17,7 +17,6 @@ exception goes on to ``kdexp.track.sweep.SweepCallback``, which records the poin
 from __future__ import annotations
 
 import sys
-import traceback
 from typing import Optional, Sequence
 
 import hydra
@@ -160,11 +159,10 @@ def main(cfg: DictConfig):
     except Exception as err:
         if multirun:
             raise
-        if _is_diverged(err):  # kdexp.train wrote summary.json (status diverged) and error.log
+        if _is_diverged(err):  # kdexp.train wrote summary.json (status diverged), run.log and error.log
             _single_run_failed(1, f"kdexp: {err}", run_dir, None)
             return None
-        _single_run_failed(None, None, run_dir, traceback.format_exc())
-        raise  # Hydra prints the traceback; exit status 1
+        raise  # kdexp.train wrote run.log and error.log; Hydra prints the traceback; exit status 1
 
 
 def _one_mode(argv: Sequence[str]) -> None:
