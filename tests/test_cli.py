@@ -256,9 +256,20 @@ def test_a_diverged_single_run_is_one_line_and_exit_1(env, tmp_path):
     assert "Traceback" not in r.stdout + r.stderr
 
 
+# The real kdexp.train.run_point (it writes a single run's error), with training itself replaced by a crash.
+_CRASH_IN_TRAINING = textwrap.dedent("""
+    import kdexp.run, kdexp.train.loop
+    def distill(*args, **kwargs):
+        raise KeyError("something broke")
+    kdexp.train.loop.distill = distill
+    kdexp.run.cli()
+""")
+
+
 def test_a_crashed_single_run_exits_1_and_writes_its_error_log(env, tmp_path):
     run_dir = tmp_path / "run"
-    r = kdexp(["trainer.seed=2", f"hydra.run.dir={run_dir}"], env, tmp_path, code=_FAKE_TRAIN)
+    r = kdexp(["experiment=smoke", "logger=none", f"hydra.run.dir={run_dir}"], env, tmp_path,
+              code=_CRASH_IN_TRAINING)
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert "something broke" in r.stderr
     assert "KeyError: 'something broke'" in (run_dir / records.ERROR_LOG).read_text()
