@@ -35,7 +35,6 @@ __all__ = [
     "build_cached",
     "file_lock",
     "is_node_builder",
-    "barrier",
 ]
 
 
@@ -141,10 +140,3 @@ def _local_rank() -> int:
 def is_node_builder() -> bool:
     """True on the one process per node that builds caches (local rank 0; the only process when not distributed)."""
     return _local_rank() == 0
-
-
-def barrier() -> None:
-    """torch.distributed.barrier() when a process group is initialized, else nothing."""
-    dist = _dist()
-    if dist is not None:
-        dist.barrier()

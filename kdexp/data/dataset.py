@@ -30,6 +30,7 @@ from typing import Any, Iterator
 
 import torch
 
+from kdexp import distributed
 from kdexp.data import cache as _cache
 from kdexp.data.corpus import DEFAULT_MAX_CHARS, DEFAULT_VAL_FRACTION, corpus_fingerprint, embedded_corpus
 from kdexp.data.indexed import indexed_exists, tokenize_to_indexed
@@ -114,7 +115,7 @@ def _stdlib_sources(data_cfg, root: Path, tokenizer_path) -> tuple[Tokenizer, li
         if tok_dir is not None and not tok_dir.is_dir():
             log.info("training a %d-token byte-level BPE on %d documents", vocab_size, len(train_docs))
             _cache.build_cached(tok_dir, lambda tmp: train_bpe([d.text for d in train_docs], vocab_size).save(tmp))
-    _cache.barrier()  # (1) tokenizer visible everywhere
+    distributed.barrier()  # (1) tokenizer visible everywhere
     tokenizer = Tokenizer.from_dir(tok_dir if tok_dir is not None else tokenizer_path)
 
     tokens_dir = _cache.cached_path("stdlib_tokens", {
@@ -125,7 +126,7 @@ def _stdlib_sources(data_cfg, root: Path, tokenizer_path) -> tuple[Tokenizer, li
             tokenize_to_indexed(tmp / "train", [d.text for d in train_docs], tokenizer)
             tokenize_to_indexed(tmp / "val", [d.text for d in val_docs], tokenizer)
         _cache.build_cached(tokens_dir, build)
-    _cache.barrier()  # (2) token files visible everywhere
+    distributed.barrier()  # (2) token files visible everywhere
 
     # The model's embedding covers the configured vocabulary even if a tiny corpus gave BPE fewer merges.
     model_vocab = max(tokenizer.vocab_size, vocab_size if tok_dir is not None else 0)

@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from kdexp.distributed import cpu
 
-__all__ = ["DistState", "initialize", "state", "tp_group", "dp_group", "is_rank0", "destroy", "is_initialized", "reseed"]
+__all__ = ["DistState", "initialize", "state", "tp_group", "dp_group", "is_rank0", "destroy", "is_initialized", "reseed",
+           "barrier", "rank0_decides"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,6 +202,24 @@ def is_rank0() -> bool:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0
     return True
+
+
+def barrier() -> None:
+    """torch.distributed.barrier() when a process group is initialized, else nothing."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def rank0_decides(flag: bool) -> bool:
+    """Global rank 0's view of a file-system fact, for every rank (so that all ranks take the same branch and their
+    collectives stay in step); `flag` itself when not distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return bool(flag)
+    # nccl broadcasts only CUDA tensors: use this rank's device (a bare gloo group without initialize(): the CPU).
+    device = _STATE.device if _STATE is not None else torch.device("cpu")
+    value = torch.tensor([int(bool(flag))], device=device)
+    dist.broadcast(value, src=0)
+    return bool(value.item())
 
 
 def destroy() -> None:

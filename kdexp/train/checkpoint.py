@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from kdexp import distributed
-from kdexp.data.cache import barrier
+from kdexp.distributed import barrier
 from kdexp.track import records
 
 log = logging.getLogger("kdexp")

@@ -22,7 +22,7 @@ from kdexp.losses import make_balancer
 from kdexp.track.metrics import IntervalMeter, MetricsFile, Progress, console_line, eval_line
 from kdexp.train import checkpoint, objectives, optim
 from kdexp.train.step import NonFiniteGuard, apply_update, evaluate, optimizer_tensors, train_step
-from kdexp.train.teacher import DTYPES, get_teacher
+from kdexp.train.teacher import get_teacher
 
 log = logging.getLogger("kdexp")
 
@@ -45,7 +45,7 @@ def balancer_from(cfg):
 
 
 def build_student(cfg, vocab_size: int) -> torch.nn.Module:
-    dtype = DTYPES[cfg.model.params_dtype]
+    dtype = models.DTYPES[cfg.model.params_dtype]
     if cfg.model.student_path is not None:
         return models.load_hf(cfg.model.student_path, params_dtype=dtype)
     name = cfg.model.student

@@ -12,16 +12,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from kdexp import distributed, models
 from kdexp.data import batches
-from kdexp.data.cache import barrier, cached_path
+from kdexp.data.cache import cached_path
 from kdexp.train import objectives, optim
 
 log = logging.getLogger("kdexp")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def freeze(model: torch.nn.Module) -> torch.nn.Module:
@@ -73,21 +70,12 @@ def pretrain(model: torch.nn.Module, data, cfg) -> None:
             running.zero_()
 
 
-def _rank0_decides(flag: bool) -> bool:
-    """Rank 0's view of a file-system fact, for every rank (so collectives stay in step)."""
-    if not dist.is_initialized():
-        return flag
-    value = torch.tensor([int(flag)], device=distributed.state().device)
-    dist.broadcast(value, src=0)
-    return bool(value.item())
-
-
 def get_teacher(cfg, data) -> torch.nn.Module:
-    dtype = DTYPES[cfg.model.params_dtype]
+    dtype = models.DTYPES[cfg.model.params_dtype]
     if cfg.model.teacher_path is not None:
         return freeze(models.load_hf(cfg.model.teacher_path, params_dtype=dtype))
     path = pretrained_teacher_dir(cfg, data)
-    if not _rank0_decides((path / "config.json").exists()):  # rank 0 decides: all ranks train or none
+    if not distributed.rank0_decides((path / "config.json").exists()):  # rank 0 decides: all ranks train or none
         st = distributed.state()
         if st.rank == 0:
             log.info("stage teacher: pretraining the embedded teacher %s for %d steps (once; cached in %s)",
@@ -97,5 +85,5 @@ def get_teacher(cfg, data) -> torch.nn.Module:
         pretrain(model, data, cfg)
         models.save_hf(model, path, spec)
         del model
-    barrier()
+    distributed.barrier()
     return freeze(models.load_hf(path, params_dtype=dtype))
