@@ -95,7 +95,10 @@ def test_tokenizer_cached_not_retrained(tmp_path, monkeypatch):
     prepare(dict(cfg, vocab_size=600), seq_length=SEQ, cache_dir=tmp_path, seed=1, train_samples=10,
             val_samples=2)
     assert len(calls) == 2
-    assert len(list((tmp_path / "tokenizer").iterdir())) == 2
+    # two artefacts, each beside its lock file (.<name>.lock)
+    entries = sorted(p.name for p in (tmp_path / "tokenizer").iterdir())
+    assert len([e for e in entries if not e.startswith(".")]) == 2
+    assert [e for e in entries if e.startswith(".")] == sorted(f".{e}.lock" for e in entries if not e.startswith("."))
 
 
 # --------------------------------------------------------------------------------------- indexed dataset

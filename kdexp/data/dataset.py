@@ -111,18 +111,20 @@ def _stdlib_sources(data_cfg, root: Path, tokenizer_path) -> tuple[Tokenizer, li
         tok_dir = _cache.cached_path("tokenizer", {
             "format": _FORMAT, "type": "bytelevel-bpe", "vocab_size": vocab_size, "min_frequency": 2,
             "corpus": corpus_fingerprint(train_docs), "tokenizers": tokenizers.__version__}, root)
-    if _cache.is_node_builder():
-        if tok_dir is not None and not tok_dir.is_dir():
+    if _cache.is_node_builder() and tok_dir is not None:
+        def build_tokenizer(tmp: Path) -> None:
             log.info("training a %d-token byte-level BPE on %d documents", vocab_size, len(train_docs))
-            _cache.build_cached(tok_dir, lambda tmp: train_bpe([d.text for d in train_docs], vocab_size).save(tmp))
+            train_bpe([d.text for d in train_docs], vocab_size).save(tmp)
+        _cache.build_cached(tok_dir, build_tokenizer)  # verified, rebuilt if corrupt, one builder per cache
     distributed.barrier()  # (1) tokenizer visible everywhere
     tokenizer = Tokenizer.from_dir(tok_dir if tok_dir is not None else tokenizer_path)
 
     tokens_dir = _cache.cached_path("stdlib_tokens", {
         "format": _FORMAT, "corpus": corpus_fingerprint(train_docs + val_docs), "tokenizer": tokenizer.sha256,
         "eod": tokenizer.eod, "train": [d.name for d in train_docs], "val": [d.name for d in val_docs]}, root)
-    if _cache.is_node_builder() and not tokens_dir.is_dir():
+    if _cache.is_node_builder():
         def build(tmp: Path) -> None:
+            log.info("tokenizing %d + %d documents into indexed datasets", len(train_docs), len(val_docs))
             tokenize_to_indexed(tmp / "train", [d.text for d in train_docs], tokenizer)
             tokenize_to_indexed(tmp / "val", [d.text for d in val_docs], tokenizer)
         _cache.build_cached(tokens_dir, build)
