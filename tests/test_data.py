@@ -63,9 +63,10 @@ def test_corpus_deterministic_disjoint_nonempty():
 
 
 def test_corpus_bad_values():
+    good = {"max_chars": 300_000, "val_fraction": 0.1}
     for kwargs in ({"max_chars": 10}, {"val_fraction": 0.0}, {"val_fraction": 0.7}, {"max_documents": 1}):
         with pytest.raises(ValueError, match=next(iter(kwargs))):
-            embedded_corpus(**kwargs)
+            embedded_corpus(**{**good, **kwargs})
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer
