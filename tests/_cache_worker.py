@@ -5,7 +5,7 @@
 waits until <go_file> exists (so that several workers start their builds at the same moment), then runs what a
 training job runs before its first step: kdexp.data.prepare and kdexp.train.teacher.get_teacher, logging at INFO on
 stderr (the builds say so: "training a ... BPE", "tokenizing", "stage teacher: pretraining"), and writes the sha256
-of every cached file it used to <out_json>.
+of every cached file it used to <out_json> ("{rank}" in it becomes the global rank: it runs under torchrun too).
 """
 from __future__ import annotations
 
@@ -69,7 +69,8 @@ def main(cache: str, go: str, out: str) -> None:
         time.sleep(0.01)
     data, teacher_dir = prepare_and_teacher(cfg)
     result = digests(Path(data.info["tokenizer"]), Path(data.info["tokens"]), teacher_dir)
-    Path(out).write_text(json.dumps(result, sort_keys=True))
+    rank = distributed.state().rank
+    Path(out.replace("{rank}", str(rank))).write_text(json.dumps(result, sort_keys=True))
     distributed.destroy()
 
 

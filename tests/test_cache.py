@@ -190,3 +190,39 @@ def test_parallel_jobs_on_cold_cache_build_once_and_share(tmp_path):
     assert out[0] == out[1] and any(k.startswith("teacher/") for k in out[0])
     assert out[0] == digests(*[d for d in (tmp_path / "cache").glob("*/*") if d.is_dir() and d.parent.name in
                                ("tokenizer", "stdlib_tokens", "teacher")])
+
+
+@pytest.mark.slow
+def test_two_rank_job_rebuilds_corrupt_teacher_together(tmp_path):
+    """Data-parallel job (2 ranks): rank 0 holds the lock and decides, both ranks pretrain (collectives in step),
+    rank 0 writes; a corrupt teacher found by rank 0 is rebuilt by both, byte-identical."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    (tmp_path / "go").write_text("go")
+
+    def job(tag: str) -> str:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(_free_port()), WORKER, str(tmp_path / "cache"), str(tmp_path / "go"),
+               str(tmp_path / f"{tag}{{rank}}.json")]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc.stderr
+
+    first = job("cold")
+    assert first.count("stage teacher: pretraining") == 1  # rank 0 says it; rank 1 trained with it (dp_size 2)
+    cold = [json.loads((tmp_path / f"cold{r}.json").read_text()) for r in (0, 1)]
+    assert cold[0] == cold[1]
+    (teacher_dir,) = [d for d in (tmp_path / "cache" / "teacher").iterdir() if d.is_dir()]
+    truncate(teacher_dir / "model.safetensors")
+    second = job("again")
+    assert str(teacher_dir / "model.safetensors") in second and "rebuilding" in second
+    assert second.count("stage teacher: pretraining") == 1 and "training a" not in second
+    again = [json.loads((tmp_path / f"again{r}.json").read_text()) for r in (0, 1)]
+    assert again[0] == again[1] == cold[0]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
