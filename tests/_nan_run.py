@@ -7,7 +7,6 @@ The loop asks ``optim.lr_at(step)`` right before each ``train_step``, which tell
 """
 import sys
 
-
 from kdexp.train import loop, optim
 
 bad_steps = {int(s) for s in sys.argv.pop(1).split(",") if s}
