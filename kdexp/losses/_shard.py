@@ -63,7 +63,9 @@ class Shard:
         return bool(t.item())
 
     def global_topk(self, raw: torch.Tensor, k: int, temperature: float, cdtype: torch.dtype, sort: bool):
-        """Teacher's global top-k of one chunk: (values/T in cdtype, global indices), sorted descending if `sort`.
+        """Teacher's global top-k of one chunk: ((values - m)/T in cdtype, global indices, m), sorted descending if
+        `sort`, where m is the global row max of `raw` in cdtype (the top-1 value; 0 for a row without a finite entry):
+        the values are centred before the division, as kdexp.losses.logits._load_ centres a whole row.
 
         Each rank takes its local top-min(k, local_vocab); the union (all_gather of values and global indices) holds the
         global top-k, which a second topk extracts. topk on the raw logits orders exactly like topk on logits/T (T > 0).
@@ -71,10 +73,13 @@ class Shard:
         """
         lv, li = torch.topk(raw, min(k, self.local_vocab), dim=-1, sorted=False)
         lv = lv.to(cdtype)
+        m = self.all_reduce_(lv.amax(1), op=dist.ReduceOp.MAX)  # the local top-k holds the local max
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        lv = lv - m[:, None]
         if temperature != 1.0:
             lv = lv / temperature
         if self.world == 1:
-            return _sorted(lv, li) if sort else (lv, li)
+            return (*_sorted(lv, li), m) if sort else (lv, li, m)
         li = li + self.offset
         # One all_gather for values and indices: float64 holds both exactly (indices < 2**53).
         packed = torch.stack([lv.double(), li.double()], dim=-1)
@@ -89,7 +94,7 @@ class Shard:
         union = torch.cat(parts, dim=1)
         vals, pos = torch.topk(union[..., 0], k, dim=-1, sorted=sort)
         gidx = union[..., 1].gather(1, pos).long()
-        return vals.to(cdtype), gidx
+        return vals.to(cdtype), gidx, m
 
     def local_index(self, gidx: torch.Tensor, keep: torch.Tensor | None = None):
         """(local column or `local_vocab` (a scratch column) where not owned / not kept, owned mask)."""

@@ -193,10 +193,24 @@ def _chunk_rows(n: int, shard: Shard, cdtype: torch.dtype, chunk_tokens: int | N
     return max(1, min(n, budget // row))
 
 
-def _load_(buf: torch.Tensor, raw: torch.Tensor, temperature: float) -> torch.Tensor:
-    """buf[:, :V] = raw / T in the compute dtype; an extra last column, if any, is a scratch slot at -inf."""
+def _centre(raw: torch.Tensor, shard: Shard, cd: torch.dtype) -> torch.Tensor:
+    """The global (all TP ranks) row max of raw logits in the compute dtype, 0 for a row without a finite entry: the
+    shift every log-prob is formed around (see _load_)."""
+    m = shard.all_reduce_(raw.amax(1).to(cd), op=torch.distributed.ReduceOp.MAX)
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def _load_(buf: torch.Tensor, raw: torch.Tensor, temperature: float, centre: torch.Tensor | None = None):
+    """buf[:, :V] = (raw - centre) / T in the compute dtype; an extra last column, if any, is a scratch slot at -inf.
+
+    Centring before dividing keeps the absolute error of the values near the row max at ulps of 1, not of max|x/T|:
+    in float32 a log-prob formed as x/T - logsumexp(x/T) around logits of 256 is off by ~3e-5, more than the whole
+    KL of a near-converged student (and below zero). Every divergence is invariant to a per-row shift of either
+    distribution's logits, so only the rounding changes."""
     v = raw.shape[1]
     buf[:, :v].copy_(raw)
+    if centre is not None:
+        buf[:, :v].sub_(centre[:, None])
     if temperature != 1.0:
         buf[:, :v].div_(temperature)
     if buf.shape[1] > v:
@@ -204,19 +218,21 @@ def _load_(buf: torch.Tensor, raw: torch.Tensor, temperature: float) -> torch.Te
     return buf
 
 
-def _dense_chunks(student: torch.Tensor, teacher: torch.Tensor, rows: int, temperature: float, cd: torch.dtype):
-    """(rows slice, teacher chunk / T, student chunk / T) in two reused compute-dtype buffers (forward and backward)."""
+def _dense_chunks(student: torch.Tensor, teacher: torch.Tensor, rows: int, temperature: float, cd: torch.dtype,
+                  shard: Shard):
+    """(rows slice, teacher chunk / T, student chunk / T) in two reused compute-dtype buffers (forward and backward),
+    each centred on its global row max (_load_) unless T = 1 without TP, where ATen's log_softmax centres by itself
+    and the row max would be one more pass for nothing."""
     n, vl = student.shape
     bt = torch.empty(rows, vl, dtype=cd, device=student.device)
     bs = torch.empty_like(bt)
+    centred = temperature != 1.0 or shard.world > 1
     for r0 in range(0, n, rows):
         r = slice(r0, min(n, r0 + rows))
         c = r.stop - r.start
-        yield r, _load_(bt[:c], teacher[r], temperature), _load_(bs[:c], student[r], temperature)
-
-
-def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+        t, s = teacher[r], student[r]
+        yield (r, _load_(bt[:c], t, temperature, _centre(t, shard, cd) if centred else None),
+               _load_(bs[:c], s, temperature, _centre(s, shard, cd) if centred else None))
 
 
 # Fused row kernels: one pass over the chunk instead of max/sub/exp/sum passes. On CPU they run in place (ATen's
@@ -259,7 +275,7 @@ class _LogitsKD(torch.autograd.Function):
         if dense:
             shift = torch.zeros(2, n, dtype=cd, device=dev)  # local minus global log-sum-exp (0 without TP)
             aux = torch.empty(n, dtype=cd, device=dev)
-            for r, xt, xs in _dense_chunks(student, teacher, rows, cfg.temperature, cd):
+            for r, xt, xs in _dense_chunks(student, teacher, rows, cfg.temperature, cd, shard):
                 if shard.world == 1:
                     a, b = _log_softmax_(xt), _log_softmax_(xs)
                 else:
@@ -285,7 +301,7 @@ class _LogitsKD(torch.autograd.Function):
                 out = _sparse_forward_chunk(student[r], teacher[r], buf[: r.stop - r.start], cfg, shard, cd,
                                             st is not None)
                 loss[r] = out["loss"]
-                chunks.append((r, out["gidx"], out["keep"], out["cand_grad"], out["coef"]))
+                chunks.append((r, out["gidx"], out["keep"], out["cand_grad"], out["coef"], out["centre"]))
                 if st is not None:
                     for f in KDStats._fields:
                         st[f][r] = out[f]
@@ -293,6 +309,12 @@ class _LogitsKD(torch.autograd.Function):
             ctx.chunks = chunks
         if st is not None:
             stats.update({f: (v.long() if f == "nucleus_size" else v) for f, v in st.items()})
+        if dense or cfg.ghost or cfg.renormalize:
+            # Proper distributions on both sides: the divergence is >= 0 in exact arithmetic, and what float32
+            # summation leaves below 0 (a few 1e-7 near convergence) is rounding. The value is floored, the gradient
+            # (computed from the unfloored terms) is not. Full normalization without the ghost bucket is a partial
+            # sum over S and may truly be negative: left as computed.
+            loss.clamp_min_(0.0)
         if cfg.loss_scale != 1.0:
             loss.mul_(cfg.loss_scale)
         return loss if cd == torch.float64 else loss.float()
@@ -307,7 +329,7 @@ class _LogitsKD(torch.autograd.Function):
         scale = grad_out.reshape(-1).to(cd) * (cfg.loss_scale / cfg.temperature)
         if ctx.dense:
             teacher = ctx.saved_tensors[1]
-            for r, xt, xs in _dense_chunks(student, teacher, rows, cfg.temperature, cd):
+            for r, xt, xs in _dense_chunks(student, teacher, rows, cfg.temperature, cd, shard):
                 if cfg.divergence == "forward_kl":  # q - p straight from the fused softmax
                     p, q = _softmax_(xt), _softmax_(xs)
                     if shard.world > 1:
@@ -323,14 +345,14 @@ class _LogitsKD(torch.autograd.Function):
                 torch.mul(g, scale[r, None], out=grad[r])
             return grad, None, None, None, None
         buf = torch.empty(rows, vl + 1, dtype=cd, device=dev)
-        for r, gidx, keep, cand_grad, coef in ctx.chunks:
+        for r, gidx, keep, cand_grad, coef, centre in ctx.chunks:
             c = r.stop - r.start
             lidx, _ = shard.local_index(gidx, keep)
             sc = scale[r, None]
             if coef is None:  # renormalize: the loss depends on the kept logits only
                 x = buf[:c].zero_()
             else:
-                x = _load_(buf[:c], student[r], cfg.temperature).scatter_(1, lidx, -math.inf)
+                x = _load_(buf[:c], student[r], cfg.temperature, centre).scatter_(1, lidx, -math.inf)
                 # softmax over this rank's entries outside S = exp(s - lse_loc); coef[1] = exp(lse_loc - lse_notS).
                 # Rows whose local entries are all in S come out NaN and are overwritten whole by the scatter.
                 x = _softmax_(x).mul_(coef[0][:, None] * sc)
@@ -349,13 +371,13 @@ def _sparse_forward_chunk(student, teacher, buf, cfg: _Cfg, shard: Shard, cd, wa
     need_s = not cfg.renormalize or want_stats
     k = cfg.top_k if cfg.top_k is not None else min(shard.vocab, max(cfg.min_k, TOP_P_INITIAL_K))
     while True:
-        vals, gidx = shard.global_topk(teacher, k, cfg.temperature, cd, sort=cfg.top_p is not None)
+        vals, gidx, m_t = shard.global_topk(teacher, k, cfg.temperature, cd, sort=cfg.top_p is not None)
         keep = torch.ones_like(vals, dtype=torch.bool)
         if not need_t:
             a = vals  # unnormalised: only differences within S matter below
             break
         lidx, _ = shard.local_index(gidx)
-        lc_t = _lse_(_load_(buf, teacher, cfg.temperature).scatter_(1, lidx, -math.inf), shard)[0]
+        lc_t = _lse_(_load_(buf, teacher, cfg.temperature, m_t).scatter_(1, lidx, -math.inf), shard)[0]
         lse_t = torch.logsumexp(torch.cat([lc_t[:, None], vals], 1), 1)  # non-candidates + candidates
         a = vals - lse_t[:, None]
         if cfg.top_p is None:
@@ -377,13 +399,14 @@ def _sparse_forward_chunk(student, teacher, buf, cfg: _Cfg, shard: Shard, cd, wa
 
     # Student: kept logits gathered from the owning ranks (zeros elsewhere, then SUM), log-sum-exp outside S.
     lidx, owned = shard.local_index(gidx, keep)
-    sv = student.gather(1, lidx.clamp_max(vl - 1)).to(cd)
+    m_s = _centre(student, shard, cd)  # every student value below is (x - m_s) / T, as _load_ forms it
+    sv = student.gather(1, lidx.clamp_max(vl - 1)).to(cd) - m_s[:, None]
     if cfg.temperature != 1.0:
         sv = sv / cfg.temperature
     sv = torch.where(keep, shard.all_reduce_(torch.where(owned, sv, torch.zeros_like(sv))), neg_inf)
     a_kept = torch.where(keep, a, neg_inf)
     if need_s:
-        lns, lns_loc, _ = _lse_(_load_(buf, student, cfg.temperature).scatter_(1, lidx, -math.inf), shard)
+        lns, lns_loc, _ = _lse_(_load_(buf, student, cfg.temperature, m_s).scatter_(1, lidx, -math.inf), shard)
         lse_s = torch.logsumexp(torch.cat([lns[:, None], sv], 1), 1)
         b = sv - lse_s[:, None]
         lr_s = lns - lse_s
@@ -410,7 +433,7 @@ def _sparse_forward_chunk(student, teacher, buf, cfg: _Cfg, shard: Shard, cd, wa
         # Outside S: dL/ds_i = exp(s_i - lse_notS) (h - G r_s) = softmax_loc(s)_i * exp(lse_loc - lse_notS) (h - G r_s)
         coef = (torch.where(torch.isfinite(lns), (h - gsum * lr_s.exp()) * (lns_loc - lns).exp(),
                             torch.zeros_like(lns)),)
-    out = {"loss": loss, "gidx": gidx, "keep": keep, "cand_grad": cand_grad, "coef": coef}
+    out = {"loss": loss, "gidx": gidx, "keep": keep, "cand_grad": cand_grad, "coef": coef, "centre": m_s}
     if want_stats:
         out.update(teacher_kept_mass=torch.logsumexp(a_kept, 1).exp(), student_kept_mass=torch.logsumexp(b, 1).exp(),
                    nucleus_size=keep.sum(1).to(cd), ghost_mass=lr_t.exp())
