@@ -207,3 +207,17 @@ def test_a_resumed_sweep_point_holds_the_full_history(env, tmp_path):
         assert a == b
     assert train[4]["train/loss"] == pytest.approx(before[4]["train/loss"], rel=1e-5)  # step 5 recomputed alike
     assert summary(point)["status"] == "finished" and summary(point)["reused_from"] is None
+
+
+def test_step_bench_runs_through_the_trainers_setup(env, tmp_path):
+    bench = [sys.executable, "-m", "kdexp.bench.step"]
+    proc = subprocess.run([*bench, "--steps", "2", "--warmup", "1", *SMOKE, "logger=none"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout.splitlines()
+    assert out[0] == "loss=topk top_k=1024 top_p=None vocab=2048 tokens/step=128 device=cpu steps=2"
+    times = {line[:40].strip(): float(line[40:]) for line in out[2:4]}
+    assert sorted(times) == ["KD train step (teacher, student, KD+LM)", "teacher fwd + student fwd+bwd (LM)"]
+    assert all(v > 0 for v in times.values()) and out[4].startswith("KD overhead: ")
+    bad = subprocess.run([*bench, "--steps", "0"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--steps must be >= 1" in bad.stderr
