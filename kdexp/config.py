@@ -87,7 +87,6 @@ class TrainerConfig:
     skip_nonfinite: int = 0  # non-finite steps to skip (no update) before the run stops as diverged
     reuse_finished: bool = True  # in a sweep, a point whose resolved config already finished is not retrained
     export_hf: bool = False  # at the end, write the distilled student as a Hugging Face checkpoint (run_dir/student_hf)
-    skip_nonfinite: int = 0
 
 
 @dataclass
