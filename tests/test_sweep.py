@@ -94,7 +94,7 @@ def test_point_and_sweep_json_with_a_failure(tmp_path):
     assert [p["num"] for p in s["points"]] == [0, 1, 2, 3]
     assert [p["status"] for p in s["points"]] == ["finished", "running", "failed", "pending"]
     assert [p["overrides"] for p in s["points"]] == plan
-    assert s["counts"] == {"pending": 1, "running": 1, "finished": 1, "reused": 0, "failed": 1}
+    assert s["counts"] == {"pending": 1, "running": 1, "finished": 1, "reused": 0, "failed": 1, "diverged": 0}
     assert s["points"][0]["metrics"] == {"val/lm_loss": 2.5}
     assert s["points"][0]["run_dir"] == str((sweep_dir / "0").resolve())
     failed = s["points"][2]
@@ -104,18 +104,23 @@ def test_point_and_sweep_json_with_a_failure(tmp_path):
         assert "Traceback (most recent call last)" in text and "_fail_here" in text
         assert "ValueError: loss exploded at step 3" in text
     assert json.loads((sweep_dir / "2" / "point.json").read_text())["status"] == "failed"
-    assert sweep.progress_line(s) == (f"[sweep] 1/4 done, 1 running, 1 failed - report: python -m kdexp.report "
-                                      f"{sweep_dir.resolve()}")
+    assert sweep.progress_line(s) == (f"[sweep] 1/4 done, 1 running, 1 failed, 0 diverged - report: "
+                                      f"python -m kdexp.report {sweep_dir.resolve()}")
 
 
 def test_record_point_rejects_unknown_status_and_only_rank0_writes(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match="status='done'.*pending, running, finished, reused, failed"):
+    with pytest.raises(ValueError, match="status='done'.*pending, running, finished, reused, failed, diverged"):
         sweep.record_point(tmp_path / "r", "done")
     monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
     assert sweep.record_point(tmp_path / "r1", "finished") is None
     assert sweep.record_failure(tmp_path / "r1", RuntimeError("x")) is None
     assert not (tmp_path / "r1").exists()
     monkeypatch.delenv("RANK")
+    monkeypatch.setenv("SLURM_PROCID", "1")  # an srun step's second task: not the writer either
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    assert sweep.record_point(tmp_path / "r1", "finished") is None and not (tmp_path / "r1").exists()
     monkeypatch.setenv("SLURM_PROCID", "0")
     assert sweep.record_point(tmp_path / "r0", "finished")["status"] == "finished"
 
@@ -162,7 +167,7 @@ def _check_scores_sweep(root: Path, xs: list[int], out: str) -> None:
         assert json.loads((Path(p["run_dir"]) / "point.json").read_text())["status"] == p["status"]
     assert f"[sweep] {len(xs)} points -> {s['sweep_dir']}" in out
     assert f"report: python -m kdexp.report {s['sweep_dir']}" in out
-    assert f"[sweep] ended: {len(xs) - 1} finished, 0 reused, 1 failed" in out
+    assert f"[sweep] ended: {len(xs) - 1} finished, 0 reused, 1 failed, 0 diverged" in out
 
 
 def test_basic_launcher_failing_point_does_not_stop_the_others(tmp_path):
@@ -172,7 +177,8 @@ def test_basic_launcher_failing_point_does_not_stop_the_others(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 1, out  # the sweep ran to the end, then reports the failed point through its exit status
     _check_scores_sweep(root, [1, 2, 3], out)
-    assert "[sweep] 1/3 done, 0 running, 0 failed" in out and "[sweep] 2/3 done, 0 running, 1 failed" in out
+    assert "[sweep] 1/3 done, 0 running, 0 failed, 0 diverged" in out
+    assert "[sweep] 2/3 done, 0 running, 1 failed, 0 diverged" in out
 
 
 def test_submitit_local_failing_point_does_not_stop_the_others(tmp_path):
