@@ -46,7 +46,7 @@ class Point:
     error: Optional[str] = None  # one line, for failed and diverged points
     traceback: Optional[str] = None  # error.log, when there is one
     num: Optional[int] = None  # Hydra job number in the sweep
-    steps: Optional[int] = None
+    steps: Optional[int] = None  # the steps a finished run ran; the step a diverged run stopped at
     wall_s: Optional[float] = None
     reused_from: Optional[str] = None  # a finished point of an earlier sweep with the same resolved config
     final_partial: bool = False  # final holds the last logged values of a run that did not finish

@@ -135,7 +135,8 @@ def load_point(run_dir: str | Path, root: Optional[str | Path] = None) -> Point:
     final = {**last_values(curves), **_numbers((summary or point_json).get("final" if summary else "metrics"))}
     return Point(name=name, run_dir=run_dir, overrides=records.parse_overrides(overrides_list), config=config,
                  choices=choices, final=final, curves=curves, status=status, error=error, traceback=traceback,
-                 num=num, steps=(summary or {}).get("steps"), wall_s=(summary or {}).get("wall_s"),
+                 num=num, steps=(summary or {}).get("step" if status == "diverged" else "steps"),
+                 wall_s=(summary or {}).get("wall_s"),
                  reused_from=reused_from, final_partial=status != "finished" and bool(final))
 
 
