@@ -160,6 +160,8 @@ COMMANDS: dict[str, How] = {
     'make run ARGS="loss=top_p balancer.alpha=1.0"': How("dry-run", check=_make_dry_run(
         ".venv/bin/python -m kdexp.run loss=top_p balancer.alpha=1.0")),
     'make test ARGS="-k losses"': How("dry-run", check=_make_dry_run(".venv/bin/python -m pytest -q -ra -k losses")),
+    "make test TORCH_INDEX=https://download.pytorch.org/whl/cpu": How("dry-run", check=_make_dry_run(
+        ".venv/bin/python -m pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu")),
     "python -m kdexp.run": How("composed", "a full run takes minutes; `experiment=smoke` (verbatim below) runs the "
                                "same code in seconds", check=_composed(loss__name="topk", model__teacher="tiny-teacher")),
     "python -m kdexp.run loss=top_p loss.top_p=0.9 balancer.alpha=1.0": How(
