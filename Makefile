@@ -2,14 +2,18 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 ARGS ?=
+# PyPI's Linux torch wheel is the CUDA build (GBs of nvidia-* wheels); a CPU-only machine can take the CPU build with
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu. Empty: pip's own configuration (index, find-links) decides.
+TORCH_INDEX ?=
 
 .PHONY: run test bench clean-venv
 
-# The venv is created once; torch is pinned first because an unpinned torch pulls a multi-GB CUDA build.
+# The venv is created once; torch is installed first, pinned to the version the suite is tested with, so that
+# `pip install -e .` finds it satisfied and pulls no other build.
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $@
 

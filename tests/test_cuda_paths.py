@@ -109,11 +109,12 @@ def _tiny_spec():
                      head_dim=8, tie_embeddings=False, max_position_embeddings=32)
 
 
-def test_build_cuda_branch_initializes_on_the_device_and_moves_the_model(monkeypatch):
-    """GPU init (use_cpu_initialization=False: weights made on torch.cuda.current_device() and initialized inside
-    megatron's model-parallel RNG fork) is megatron code that runs on the CPU once cpu.apply() answers
-    current_device; only Module.cuda is recorded."""
+def test_build_cuda_branch_inits_like_the_cpu_and_moves_the_model(monkeypatch):
+    """On a GPU a random init is megatron's CPU master-weight init (the same weights as a CPU run with the same seed,
+    for any TP size), then Module.cuda; without init (load_hf) the weights are allocated on the device (megatron
+    code that runs on the CPU once cpu.apply() answers current_device). Only Module.cuda is recorded."""
     from kdexp import models
+    from kdexp.models.build import transformer_config
 
     for var in _LAUNCH_VARS:
         monkeypatch.delenv(var, raising=False)
@@ -121,13 +122,15 @@ def test_build_cuda_branch_initializes_on_the_device_and_moves_the_model(monkeyp
         kd.destroy()
     try:
         kd.initialize(tensor_parallel=1, seed=5)  # CPU: cpu.apply() makes current_device() the CPU
+        kd.reseed(11)
+        on_cpu = dict(models.build(_tiny_spec()).named_parameters())
         moved = []
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.nn.Module, "cuda", lambda self, device=None: moved.append(device) or self)
-        from kdexp.models.build import transformer_config
 
         cfg = transformer_config(_tiny_spec())
-        assert cfg.use_cpu_initialization is False
+        assert cfg.use_cpu_initialization is True and cfg.perform_initialization is True
+        assert transformer_config(_tiny_spec(), init=False).use_cpu_initialization is False
         # the fusions that need Apex/TE kernels on a GPU stay off (the local spec has none of them)
         assert not (cfg.gradient_accumulation_fusion or cfg.masked_softmax_fusion or cfg.persist_layer_norm
                     or cfg.bias_activation_fusion or cfg.bias_dropout_fusion or cfg.apply_rope_fusion)
@@ -136,13 +139,14 @@ def test_build_cuda_branch_initializes_on_the_device_and_moves_the_model(monkeyp
 
         kd.reseed(11)
         a = models.build(_tiny_spec())
-        kd.reseed(11)
-        b = models.build(_tiny_spec())
+        empty = models.build(_tiny_spec(), init=False)  # allocated on current_device(), left for load_hf
         assert moved == [torch.cuda.current_device()] * 2
-        wa, wb = dict(a.named_parameters()), dict(b.named_parameters())
-        assert all(torch.equal(wa[n], wb[n]) for n in wa)  # seeded: the same init twice
+        wa = dict(a.named_parameters())
+        assert wa.keys() == on_cpu.keys() and all(torch.equal(wa[n], on_cpu[n]) for n in wa)  # = the CPU run
         qkv = wa["decoder.layers.0.self_attention.linear_qkv.weight"]
         assert 0.01 < qkv.std().item() < 0.03  # init_method_std=0.02, not left empty
+        assert all(getattr(p, "tensor_model_parallel", None) is not None
+                   for n, p in empty.named_parameters() if n.endswith(("linear_qkv.weight", "linear_fc2.weight")))
         logits = models.vocab_parallel_logits(a, torch.randint(0, 96, (2, 8)))
         assert logits.shape == (2, 8, 96) and torch.isfinite(logits).all()
     finally:

@@ -63,10 +63,12 @@ def transformer_config(spec: Qwen3Spec, *, params_dtype=torch.float32, tp: int =
         # Why: with bf16/fp16 params megatron keeps the attention softmax in fp32 (as transformers does).
         attention_softmax_in_fp32=True,
         tensor_model_parallel_size=tp,
-        # CPU: build master weights on the CPU and slice them (also makes the init independent of TP size). GPU:
-        # each rank initializes its shard on its device inside the model-parallel RNG fork, so a random init
-        # differs between TP sizes there (checkpoints loaded with init=False do not).
-        use_cpu_initialization=not torch.cuda.is_available(),
+        # A random init builds each full master weight on the CPU from torch's seeded CPU generator and keeps this
+        # rank's slice (build() then moves the model to the GPU): the init is the same for every TP size and on a
+        # CPU or a GPU machine, so the embedded teacher (whose cache key has no TP size) and a TP=2 student start
+        # from the TP=1 weights. Megatron's GPU init would draw each shard in the model-parallel RNG fork on the
+        # device, different per TP size. Without init (load_hf fills the weights) they are allocated on the device.
+        use_cpu_initialization=init or not torch.cuda.is_available(),
         # load_hf overwrites every weight; skip the random init there.
         perform_initialization=init,
     )

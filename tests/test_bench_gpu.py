@@ -1,0 +1,47 @@
+"""kdexp.bench.gpu (the GPU check) on a CPU machine: it imports, says plainly that there is no GPU, and its two checks
+tell a CUDA run from a CPU fallback and kdexp's loss from a wrong one."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kdexp.bench import gpu
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the check runs for real there")
+def test_without_a_gpu_it_exits_1_with_one_line():
+    r = subprocess.run([sys.executable, "-m", "kdexp.bench.gpu"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()]  # one line, no traceback
+    assert r.stderr.startswith("kdexp.bench.gpu: no CUDA GPU: torch.cuda.is_available() is False")
+
+
+def test_bad_arguments_exit_2():
+    r = subprocess.run([sys.executable, "-m", "kdexp.bench.gpu", "--steps", "0"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and "--steps" in r.stderr
+
+
+def test_loss_rows_agree_with_the_plain_version_and_catch_a_wrong_loss(monkeypatch):
+    rows = gpu.loss_bench(tokens=4, vocab=2048, repeats=1, device="cpu")
+    assert {(r["config"], r["dtype"]) for r in rows} == {(c, d) for c in ("dense", "topk", "topk_topp", "topp",
+                                                                          "topk_renorm") for d in ("fp32", "bf16")}
+    assert all(r["ok"] and r["max_abs_diff"] <= gpu.LOSS_TOL[r["dtype"]] for r in rows), rows
+    import kdexp.losses
+
+    real = kdexp.losses.logits_kd_loss
+    monkeypatch.setattr(kdexp.losses, "logits_kd_loss", lambda s, t, **kw: real(s, t, **kw) * 1.01)
+    assert not any(r["ok"] for r in gpu.loss_bench(tokens=4, vocab=2048, repeats=1, device="cpu"))
+
+
+@pytest.mark.slow
+def test_a_run_on_the_cpu_does_not_pass_as_a_gpu_run(tmp_path):
+    import os
+
+    out = gpu.distill(tmp_path, "float32", steps=2, cache=os.environ.get("KDEXP_CACHE"))  # conftest's session cache
+    assert out["rc"] == 0 and out["status"] == "finished" and out["steps"] == 2, out
+    assert out["saved_from"] == ["cpu"] and out["ok"] is False
+    assert all(isinstance(out[k], float) for k in ("train/loss", "val/kl_to_teacher"))
