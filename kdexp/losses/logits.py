@@ -284,6 +284,12 @@ class _LogitsKD(torch.autograd.Function):
             ctx.chunks = chunks
         if st is not None:
             stats.update({f: (v.long() if f == "nucleus_size" else v) for f, v in st.items()})
+        if dense or cfg.ghost or cfg.renormalize:
+            # Between two proper distributions every divergence here is >= 0; float32 rounding of the log-probs
+            # (~1e-7 absolute) can land a near-converged value just below. Clamping the value moves it towards the
+            # exact one; the gradient (computed in backward from the unclamped terms) is unchanged. Without the ghost
+            # bucket the kept sub-distributions can give a negative value in exact arithmetic: left as it is.
+            loss.clamp_min_(0.0)
         if cfg.loss_scale != 1.0:
             loss.mul_(cfg.loss_scale)
         return loss if cd == torch.float64 else loss.float()
