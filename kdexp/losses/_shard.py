@@ -54,6 +54,12 @@ class Shard:
         dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self.group)
         return s.log() + m
 
+    def row_max(self, raw: torch.Tensor, cdtype: torch.dtype) -> torch.Tensor:
+        """Max over the whole (global) vocabulary of each row of a raw [c, V_local] chunk, in cdtype; 0 where a row is
+        all -inf (so that centring on it never makes NaN)."""
+        m = self.all_reduce_(raw.amax(1).to(cdtype), op=dist.ReduceOp.MAX)
+        return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
     def any(self, flag: bool, device: torch.device) -> bool:
         """True on every rank when `flag` is True on any rank (a host sync; used only by the growing Top-P search)."""
         if self.world == 1:
@@ -62,24 +68,18 @@ class Shard:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
 
-    def global_topk(self, raw: torch.Tensor, k: int, temperature: float, cdtype: torch.dtype, sort: bool):
-        """Teacher's global top-k of one chunk: ((values - m)/T in cdtype, global indices, m), sorted descending if
-        `sort`, where m is the global row max of `raw` in cdtype (the top-1 value; 0 for a row without a finite entry):
-        the values are centred before the division, as kdexp.losses.logits._load_ centres a whole row.
+    def global_topk(self, raw: torch.Tensor, k: int, cdtype: torch.dtype, sort: bool):
+        """Teacher's global top-k of one chunk: (raw values in cdtype, global indices), sorted descending if `sort`.
 
         Each rank takes its local top-min(k, local_vocab); the union (all_gather of values and global indices) holds the
-        global top-k, which a second topk extracts. topk on the raw logits orders exactly like topk on logits/T (T > 0).
-        The full-vocabulary topk runs unsorted (a quarter cheaper on CPU); only the k winners get sorted.
+        global top-k, which a second topk extracts. The values stay raw (not divided by T): the caller centres them on
+        the row max first. The full-vocabulary topk runs unsorted (a quarter cheaper on CPU); only the k winners get
+        sorted.
         """
         lv, li = torch.topk(raw, min(k, self.local_vocab), dim=-1, sorted=False)
         lv = lv.to(cdtype)
-        m = self.all_reduce_(lv.amax(1), op=dist.ReduceOp.MAX)  # the local top-k holds the local max
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        lv = lv - m[:, None]
-        if temperature != 1.0:
-            lv = lv / temperature
         if self.world == 1:
-            return (*_sorted(lv, li), m) if sort else (lv, li, m)
+            return _sorted(lv, li) if sort else (lv, li)
         li = li + self.offset
         # One all_gather for values and indices: float64 holds both exactly (indices < 2**53).
         packed = torch.stack([lv.double(), li.double()], dim=-1)
@@ -94,7 +94,7 @@ class Shard:
         union = torch.cat(parts, dim=1)
         vals, pos = torch.topk(union[..., 0], k, dim=-1, sorted=sort)
         gidx = union[..., 1].gather(1, pos).long()
-        return vals.to(cdtype), gidx, m
+        return vals.to(cdtype), gidx
 
     def local_index(self, gidx: torch.Tensor, keep: torch.Tensor | None = None):
         """(local column or `local_vocab` (a scratch column) where not owned / not kept, owned mask)."""
