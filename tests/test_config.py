@@ -260,7 +260,7 @@ def test_config_hash_ignores_logging_and_paths_only():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# One set of defaults: the schema. What each option of the model/data/trainer/logger groups changes against it.
+# One set of defaults: the schema. What each option of every group changes against it.
 CONF = Path(kdexp.conf.__file__).parent
 OPTION_CHANGES = {
     ("model", "qwen3_tiny"): {},
@@ -270,6 +270,12 @@ OPTION_CHANGES = {
     ("trainer", "default"): {},
     ("logger", "default"): {},
     ("logger", "none"): {"name": "none", "wandb": {"enabled": False}},
+    ("loss", "topk"): {},
+    ("loss", "dense"): {"name": "dense", "top_k": None, "ghost_token": False},
+    ("loss", "top_p"): {"name": "top_p", "top_k": None, "top_p": 0.95, "min_k": 4},
+    ("loss", "renorm_topk"): {"name": "renorm_topk", "ghost_token": False, "normalization": "renormalize"},
+    ("balancer", "alpha"): {},
+    ("balancer", "dynamic"): {"name": "dynamic", "alpha": None, "kd_loss_scale": 1.0, "skip_lm_loss": True},
 }
 
 
@@ -283,7 +289,8 @@ def _own_keys(path: Path) -> dict:
 
 
 def test_every_option_of_the_groups_is_listed():
-    on_disk = {(p.parent.name, p.stem) for g in ("model", "data", "trainer", "logger") for p in (CONF / g).glob("*.yaml")}
+    on_disk = {(p.parent.name, p.stem) for g in ("model", "data", "trainer", "logger", "loss", "balancer")
+               for p in (CONF / g).glob("*.yaml")}
     assert on_disk == set(OPTION_CHANGES)
 
 
