@@ -260,7 +260,7 @@ def test_config_hash_ignores_logging_and_paths_only():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# One set of defaults: the schema. What each option of the model/data/trainer/logger groups changes against it.
+# One set of defaults: the schema. What each option of every group changes against it.
 CONF = Path(kdexp.conf.__file__).parent
 OPTION_CHANGES = {
     ("model", "qwen3_tiny"): {},
@@ -270,6 +270,12 @@ OPTION_CHANGES = {
     ("trainer", "default"): {},
     ("logger", "default"): {},
     ("logger", "none"): {"name": "none", "wandb": {"enabled": False}},
+    ("loss", "topk"): {},
+    ("loss", "dense"): {"name": "dense", "top_k": None, "ghost_token": False},
+    ("loss", "top_p"): {"name": "top_p", "top_k": None, "top_p": 0.95, "min_k": 4},
+    ("loss", "renorm_topk"): {"name": "renorm_topk", "ghost_token": False, "normalization": "renormalize"},
+    ("balancer", "alpha"): {},
+    ("balancer", "dynamic"): {"name": "dynamic", "alpha": None, "kd_loss_scale": 1.0, "skip_lm_loss": True},
 }
 
 
@@ -283,7 +289,8 @@ def _own_keys(path: Path) -> dict:
 
 
 def test_every_option_of_the_groups_is_listed():
-    on_disk = {(p.parent.name, p.stem) for g in ("model", "data", "trainer", "logger") for p in (CONF / g).glob("*.yaml")}
+    on_disk = {(p.parent.name, p.stem) for g in ("model", "data", "trainer", "logger", "loss", "balancer")
+               for p in (CONF / g).glob("*.yaml")}
     assert on_disk == set(OPTION_CHANGES)
 
 
@@ -325,3 +332,33 @@ def test_experiment_and_arm_files_set_no_value_they_would_get_anyway(path):
     for key, value in own.items():
         assert OmegaConf.select(with_it, key) == value, key
         assert OmegaConf.select(without, key) != value, f"{path}: {key}={value} is already the default"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The loss and balancer groups build through their one factory (kdexp.train.objectives uses the same calls).
+@pytest.mark.parametrize("option", ["loss=topk", "loss=dense", "loss=top_p", "loss=renorm_topk", "arm=before"])
+def test_every_loss_option_gives_the_keywords_of_the_loss(option):
+    import torch
+
+    from _kd_reference import reference_kd
+    from kdexp.losses import KDLossOptions, logits_kd_loss
+
+    kw = KDLossOptions.from_config(cfg_of(option).loss).kwargs()
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(2, 1100, generator=g, dtype=torch.float64) * 3
+    s = t + torch.randn(2, 1100, generator=g, dtype=torch.float64)
+    ref, _ = reference_kd(s, t, **kw)
+    torch.testing.assert_close(logits_kd_loss(s.float(), t.float(), **kw).double(), ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides, built", [
+    ([], "AlphaBalancer(alpha=0.9)"), (["balancer.alpha=0.25"], "AlphaBalancer(alpha=0.25)"),
+    (["balancer=dynamic"], "DynamicBalancer(kd_loss_scale=1.0, skip_lm_loss=True)"),
+    (["balancer=dynamic", "balancer.kd_loss_scale=null", "balancer.skip_lm_loss=false"],
+     "DynamicBalancer(kd_loss_scale=1.0, skip_lm_loss=False)"),
+    (["arm=before"], "DynamicBalancer(kd_loss_scale=1.0, skip_lm_loss=True)"),
+])
+def test_the_trainer_builds_the_configured_balancer(overrides, built):
+    from kdexp.train.objectives import build_balancer
+
+    assert repr(build_balancer(cfg_of(*overrides).balancer)) == built

@@ -1,6 +1,7 @@
 """kdexp.losses.logits_kd_loss against an independent float64 reference (tests/_kd_reference.py)."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -272,3 +273,40 @@ def test_issue_example_renormalized_top_k():
     ref, _ = reference_kd(s, t, **kw)
     assert float(ref) == pytest.approx(1.576e-7, rel=1e-3)
     assert abs(float(logits_kd_loss(s, t, **kw)) - float(ref)) < 1e-7
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One contract: the loss options are logits_kd_loss's keywords, with its defaults and its rules.
+RUNTIME_KEYWORDS = ("tp_group", "return_stats", "chunk_tokens")
+
+
+def test_options_are_the_keywords_of_logits_kd_loss():
+    import inspect
+
+    from kdexp.config import LossConfig
+    from kdexp.losses import KDLossOptions
+
+    params = {p.name: p.default for p in inspect.signature(logits_kd_loss).parameters.values()
+              if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in RUNTIME_KEYWORDS}
+    assert params == {f: getattr(KDLossOptions(), f) for f in KDLossOptions.names()}
+    from dataclasses import fields
+
+    assert [f.name for f in fields(LossConfig)] == [*KDLossOptions.names(), "name"]
+    assert KDLossOptions.from_config(LossConfig()).kwargs() == {**params, "top_k": 1024}  # the run's default: Top-K
+
+
+@pytest.mark.parametrize("kw, key", [(dict(temperature=math.inf), "temperature"), (dict(top_k=8, min_k=9), "min_k"),
+                                     (dict(divergence="tv"), "divergence"), (dict(beta=0.0), "beta"),
+                                     (dict(top_k=4, normalization="renormalize"), "ghost_token")])
+def test_logits_kd_loss_raises_the_options_own_message(kw, key):
+    from kdexp.losses import KDLossOptions
+
+    with pytest.raises(ValueError) as expected:
+        KDLossOptions(**kw).check()
+    s, t = _logits(13)
+    with pytest.raises(ValueError) as got:
+        logits_kd_loss(s, t, **kw)
+    assert str(got.value) == str(expected.value)
+    assert str(expected.value).startswith(f"{key}=")  # the message names the key
+    with pytest.raises(ValueError, match=rf"^loss\.{re.escape(key)}="):  # the config's message: the same rule
+        KDLossOptions(**kw).check(prefix="loss.")

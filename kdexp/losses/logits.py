@@ -1,7 +1,12 @@
 """Logit distillation loss: dense, Top-K, Top-P (with a min-K floor), ghost token, temperature, forward/reverse KL, JSD.
 
 `logits_kd_loss` is the one entry point. Per token, with s = student_logits / T and t = teacher_logits / T:
-  - log-probs are normalised over the FULL vocabulary (log p = t - logsumexp(t)), also under tensor parallelism;
+  - log-probs are normalised over the FULL vocabulary, also under tensor parallelism, from logits centred on their
+    row max m (over all TP ranks) BEFORE the division by T: log p = (x - m)/T - log(sum(exp((x - m)/T))). Formed
+    from uncentred logits, x/T - logsumexp(x/T) is off by about one ulp of max|x/T| (3e-5 around 256): near
+    convergence that is the size of the loss and can make it negative. The teacher's m is its global top-1 (in every
+    top-k, free); the student's costs one max pass (none for a renormalised Top-K without stats: S's own max);
+  - a divergence between proper distributions (dense, ghost bucket, renormalised) is clamped at 0 (the value only);
   - the kept set S is the teacher's global top-K (the whole vocabulary when top_k is None), sorted by teacher
     probability, then cut to the nucleus prefix where cumsum(p) - p < top_p (always at least min_k entries);
   - normalization="full": the divergence runs over S, plus (ghost_token=True) one bucket holding each distribution's

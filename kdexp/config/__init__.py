@@ -1,0 +1,26 @@
+"""kdexp.config: the typed schema of a run, its value checks and its identity.
+
+- ``schema``: the dataclasses (registered in Hydra's ConfigStore as ``kdexp_schema``): the one set of defaults;
+- ``validate(cfg)``: every value checked before anything is built (``rules``: generic rules, ``sources``: model,
+  data and files on disk, ``checks``: the rest and the cross-key checks; the loss and balancer rules are
+  kdexp.losses.options');
+- ``config_hash(cfg)``: the identity of a sweep point.
+"""
+from kdexp.config.checks import validate
+from kdexp.config.identity import config_hash
+from kdexp.config.schema import (
+    BalancerConfig,
+    DataConfig,
+    KdexpConfig,
+    LoggerConfig,
+    LossConfig,
+    ModelConfig,
+    ParallelConfig,
+    PathsConfig,
+    TrainerConfig,
+    WandbConfig,
+    register,
+)
+
+__all__ = ["validate", "config_hash", "register", "KdexpConfig", "ModelConfig", "LossConfig", "BalancerConfig",
+           "DataConfig", "TrainerConfig", "ParallelConfig", "WandbConfig", "LoggerConfig", "PathsConfig"]

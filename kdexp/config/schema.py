@@ -1,0 +1,123 @@
+"""Typed schema of a kdexp run: the dataclasses Hydra composes against, the one set of defaults.
+
+They are registered in Hydra's ConfigStore as ``kdexp_schema``; ``conf/config.yaml`` puts that schema first in its
+defaults list, so a wrong type or an unknown key fails when Hydra composes the config, and a group file holds only
+what its option changes. The loss and balancer groups are the option classes of kdexp.losses (their keys are the loss
+function's keywords; their value rules live there too).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from kdexp.losses.options import BalancerOptions, KDLossOptions
+
+
+@dataclass
+class ModelConfig:
+    teacher: str = "tiny-teacher"  # a name in kdexp.models.QWEN3_SIZES
+    student: str = "tiny-student"
+    teacher_path: Optional[str] = None  # local HF checkpoint dir; required for real (non-tiny) teachers
+    student_path: Optional[str] = None  # local HF checkpoint dir to start the student from; None = random init
+    params_dtype: str = "float32"  # float32 | bfloat16
+    # Embedded default only: the tiny teacher is pretrained on the corpus once, then cached.
+    teacher_pretrain_steps: int = 300
+    teacher_pretrain_lr: float = 3e-3
+
+
+@dataclass
+class LossConfig(KDLossOptions):
+    """The loss group: the keywords of kdexp.losses.logits_kd_loss (their value rules live there), plus the option's
+    name. The run's default is Top-K 1024 with a ghost token (logits_kd_loss's own default is dense)."""
+
+    name: str = "topk"
+    top_k: Optional[int] = 1024
+
+
+@dataclass
+class BalancerConfig(BalancerOptions):
+    """The balancer group: kdexp.losses.BalancerOptions (alpha | dynamic; keys the chosen one ignores are rejected)."""
+
+
+@dataclass
+class DataConfig:
+    name: str = "stdlib"  # stdlib | indexed
+    vocab_size: int = 4096  # stdlib: size of the BPE trained on the corpus
+    max_chars: int = 4_000_000  # stdlib: cap on the embedded corpus
+    val_fraction: float = 0.03
+    prefixes: List[str] = field(default_factory=list)  # indexed: Megatron .bin/.idx prefixes (optionally weighted)
+    tokenizer: Optional[str] = None  # indexed: dir with tokenizer.json (default: model.teacher_path)
+    split: str = "969,30,1"  # indexed: train,valid,test split of each prefix
+    valid_prefixes: List[str] = field(default_factory=list)  # indexed: separate validation data (then no split)
+    max_documents: Optional[int] = None  # stdlib: cap on the number of documents
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 200
+    micro_batch_size: int = 4
+    seq_length: int = 256
+    lr: float = 2e-3
+    min_lr: float = 2e-4
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    eval_interval: int = 50
+    eval_iters: int = 8
+    log_interval: int = 10
+    checkpoint_interval: int = 50
+    seed: int = 1234
+    skip_nonfinite: int = 0  # non-finite steps to skip (no update) before the run stops as diverged
+    reuse_finished: bool = True  # in a sweep, a point whose resolved config already finished is not retrained
+    export_hf: bool = False  # at the end, write the distilled student as a Hugging Face checkpoint (run_dir/student_hf)
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    pipeline: int = 1
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = True
+    mode: Optional[str] = None  # None: $WANDB_MODE, else "offline"; "online" | "offline" | "disabled"
+    project: str = "kdexp"
+    entity: Optional[str] = None
+    group: Optional[str] = None  # None: the sweep's directory name in a sweep, else no group
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class LoggerConfig:
+    name: str = "default"
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class PathsConfig:
+    cache: str = MISSING  # tokenizer, datasets, the pretrained embedded teacher
+    index: str = MISSING  # finished points keyed by their resolved config (sweep re-runs skip them)
+
+
+@dataclass
+class KdexpConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    balancer: BalancerConfig = field(default_factory=BalancerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    experiment_arm: Optional[str] = None  # set by arm/* presets (experiment=qwen3_before_after)
+
+
+def register() -> None:
+    ConfigStore.instance().store(name="kdexp_schema", node=KdexpConfig)
+
+
+register()

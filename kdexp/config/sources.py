@@ -1,0 +1,154 @@
+"""Checks of what a run reads: the model names and checkpoint dirs (their config.json), the data options and the
+Megatron prefixes and tokenizer on disk. ``shapes`` tells the cross-key checks the vocabulary and head counts."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+from kdexp.config.rules import choice, fail, integer, number
+
+_DTYPES = ("float32", "bfloat16")
+
+
+def _model_shape(name: str, key: str):
+    from kdexp.models.spec import QWEN3_SIZES
+
+    if name not in QWEN3_SIZES:
+        fail(key, name, f"must be one of {sorted(QWEN3_SIZES)}")
+    return QWEN3_SIZES[name]
+
+
+_HF_NEEDS = ("vocab_size", "num_attention_heads")  # what validate reads from a checkpoint's config.json
+
+
+def _hf_config(key: str, path: str) -> dict:
+    """The checkpoint's config.json, with the fields validate needs checked (a message naming ``key`` otherwise)."""
+    file = Path(path).expanduser() / "config.json"
+    if not file.is_file():
+        fail(key, path, "must be a local Hugging Face checkpoint directory with config.json")
+    try:
+        hf = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        fail(key, path, f"its config.json is not readable JSON ({type(err).__name__}: {err})")
+    if not isinstance(hf, dict):
+        fail(key, path, "its config.json must hold a JSON object")
+    for field_ in _HF_NEEDS + ("num_key_value_heads", "max_position_embeddings"):
+        value = hf.get(field_)
+        if value is None and field_ not in _HF_NEEDS:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            fail(key, path, f"its config.json has no {field_!r}" if value is None else
+                  f"its config.json has {field_}={value!r} (must be a positive integer)")
+    return hf
+
+
+def shapes(cfg: Any) -> dict:
+    """Per role: (vocabulary or None when the tokenizer decides it, heads, kv heads, max positions)."""
+    out = {}
+    for role in ("teacher", "student"):
+        name, path = getattr(cfg.model, role), getattr(cfg.model, f"{role}_path")
+        spec = _model_shape(name, f"model.{role}")
+        if path is not None:
+            hf = _hf_config(f"model.{role}_path", path)
+            heads = hf["num_attention_heads"]
+            out[role] = (hf["vocab_size"], heads, hf.get("num_key_value_heads") or heads,
+                         hf.get("max_position_embeddings") or spec.max_position_embeddings)
+            continue
+        if name.startswith("tiny"):  # tiny presets take the tokenizer's vocabulary
+            vocab = cfg.data.vocab_size if cfg.data.name == "stdlib" and cfg.data.tokenizer is None else None
+        else:
+            vocab = spec.vocab_size
+        out[role] = (vocab, spec.num_heads, spec.num_kv_heads, spec.max_position_embeddings)
+    return out
+
+
+def check_model(cfg: Any) -> None:
+    m = cfg.model
+    _model_shape(m.teacher, "model.teacher")
+    _model_shape(m.student, "model.student")
+    choice("model.params_dtype", m.params_dtype, _DTYPES)
+    if m.teacher_path is None and not str(m.teacher).startswith("tiny"):
+        fail("model.teacher_path", None,
+              f"is required for the real teacher model.teacher={m.teacher!r} (only tiny teachers are pretrained here)")
+    integer("model.teacher_pretrain_steps", m.teacher_pretrain_steps, ge=1)
+    number("model.teacher_pretrain_lr", m.teacher_pretrain_lr, gt=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# data
+
+
+def _check_prefixes(key: str, items: Any) -> None:
+    """Megatron prefixes [p, ...] or a weighted blend [w, p, w, p, ...]: each with its .bin and .idx."""
+    items = [str(x) for x in items]
+    weights = items[0::2] if len(items) % 2 == 0 else []
+
+    def as_weight(text: str) -> Optional[float]:
+        try:
+            return float(text)
+        except ValueError:
+            return None
+
+    parsed = [as_weight(w) for w in weights]
+    if parsed and all(w is not None for w in parsed):
+        for w in parsed:
+            if not (math.isfinite(w) and w > 0):
+                fail(key, items, f"blend weight {w:g} must be a finite number > 0")
+        prefixes = items[1::2]
+    elif any(w is not None for w in parsed):
+        fail(key, items, "must be prefixes [p, ...] or a weighted blend [w, p, w, p, ...], not a mix")
+    else:
+        prefixes = items
+    for p in prefixes:
+        base = Path(p).expanduser()
+        lacking = [ext for ext in (".bin", ".idx") if not Path(f"{base}{ext}").is_file()]
+        if lacking:
+            fail(key, items, f"no indexed dataset at {p!r} (missing {' and '.join(f'{p}{e}' for e in lacking)})")
+
+
+_SPLIT = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*,\s*([0-9]+(?:\.[0-9]*)?)\s*,\s*([0-9]+(?:\.[0-9]*)?)\s*")
+
+
+def check_data(cfg: Any) -> None:
+    d = cfg.data
+    choice("data.name", d.name, ("stdlib", "indexed"))
+    integer("data.vocab_size", d.vocab_size, ge=257, lt=1_000_001)
+    integer("data.max_chars", d.max_chars, ge=1)
+    integer("data.max_documents", d.max_documents, ge=1, none_ok=True)
+    number("data.val_fraction", d.val_fraction, gt=0, lt=0.5)
+    m = _SPLIT.fullmatch(str(d.split))
+    parts = [float(x) for x in m.groups()] if m else None
+    if parts is None or not sum(parts) > 0:
+        fail("data.split", d.split, "must be 'train,valid,test': three non-negative numbers with a positive sum")
+    if d.name == "stdlib":
+        for key in ("prefixes", "valid_prefixes"):
+            if list(getattr(d, key)):
+                fail(f"data.{key}", list(getattr(d, key)), "data=stdlib ignores it (only data=indexed reads it)")
+    else:
+        if not d.prefixes:
+            fail("data.prefixes", list(d.prefixes), "must list at least one Megatron .bin/.idx prefix")
+        _check_prefixes("data.prefixes", d.prefixes)
+        if d.valid_prefixes:
+            _check_prefixes("data.valid_prefixes", d.valid_prefixes)
+        elif not (parts[0] > 0 and parts[1] > 0):
+            fail("data.split", d.split, "must give train > 0 and valid > 0 (or set data.valid_prefixes)")
+        if d.max_documents is not None:
+            fail("data.max_documents", d.max_documents, "data=indexed ignores it (only data=stdlib reads it)")
+
+
+def check_tokenizer(cfg: Any) -> None:
+    """The tokenizer: data.tokenizer, else the teacher checkpoint's (with data=stdlib it replaces the trained BPE)."""
+    d = cfg.data
+    key, tok = ("data.tokenizer", d.tokenizer) if d.tokenizer is not None else \
+        ("model.teacher_path", cfg.model.teacher_path)
+    if tok is None:
+        if d.name == "indexed":
+            fail("data.tokenizer", None, "must be a directory with tokenizer.json for data=indexed "
+                  "(or set model.teacher_path to a checkpoint that holds one)")
+        return
+    tok = Path(tok).expanduser()
+    if not ((tok / "tokenizer.json").is_file() or (tok / "tokenizer_config.json").is_file()):
+        fail(key, str(tok), "must be a directory with tokenizer.json (the tokenizer of the data)")
