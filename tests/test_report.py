@@ -126,6 +126,17 @@ def test_report_files_markdown_html_pngs(grid, tmp_path):
     assert "Common overrides: trainer.max_steps=4" in md
     assert "![curves](curves.png)" in md and '<img src="vs_balancer.alpha.png"' in page
     assert page.count("<table") == 1 and "<th>val/kl_to_teacher</th>" in page
+    # every finished point's row, as the hand-made summary.json has it (the best values bold)
+    best = {m: min if m in ("val/lm_loss", "val/kl_to_teacher") else max for m in NAMES if m != "train/kept_mass"}
+    for num, (alpha, loss) in enumerate(GRID):
+        if (alpha, loss) in FINISHED:
+            values = FINISHED[(alpha, loss)]
+            cells = []
+            for i, (metric, v) in enumerate(zip(NAMES, values)):
+                cell = f"{v:.1f}" if abs(v) >= 100 else f"{v:.4f}"
+                is_best = metric in best and v == best[metric](f[i] for f in FINISHED.values())
+                cells.append(f"**{cell}**" if is_best else cell)
+            assert f"| {num} | {alpha} | {loss} | " + " | ".join(cells) + " | 4 | finished |  |" in md, num
     assert '<tr class="failed">' in page and "RuntimeError: boom at step 2" in page
     # A second report of the same sweep finds the same points: report/ itself is never read as a run.
     assert [p.name for p in load_sweep(grid).points] == [str(i) for i in range(len(GRID))]
