@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import yaml
 
+from kdexp.track import records
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -21,8 +23,10 @@ def write_run_dir(run_dir: Path, *, overrides: list[str], config: dict, choices:
                   num: Optional[int] = None, train: Optional[list[dict]] = None, val: Optional[list[dict]] = None,
                   final: Optional[dict] = None, steps: Optional[int] = None, error: Optional[str] = None,
                   traceback: Optional[str] = None, point_status: Optional[str] = None,
-                  reused_from: Optional[str] = None) -> Path:
-    """A run dir. ``final`` given = finished (summary.json); ``error`` given = failed (point.json + error.log)."""
+                  reused_from: Optional[str] = None, summary: Optional[dict] = None) -> Path:
+    """A run dir. ``final`` given = finished (summary.json, its fields updated from ``summary``, e.g. a diverged
+    status); ``error`` given = failed (point.json + error.log). JSON is written as the trainer writes it (strict:
+    NaN as "NaN")."""
     run_dir = Path(run_dir)
     (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
     (run_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
@@ -37,18 +41,18 @@ def write_run_dir(run_dir: Path, *, overrides: list[str], config: dict, choices:
     if lines:
         with (run_dir / "metrics.jsonl").open("w") as f:
             for rec in sorted(lines, key=lambda r: (r["step"], r["kind"] == "val")):
-                f.write(json.dumps(rec) + "\n")
+                f.write(records.dumps(rec) + "\n")
     point = {"num": num, "overrides": overrides, "run_dir": str(run_dir.resolve()), "metrics": {}, "error": None,
              "status": point_status or "running"}
     if final is not None:
         summary = {"status": "finished", "config_hash": f"h{num}", "overrides": overrides, "steps": steps,
-                   "wall_s": 1.5, "final": final, "reused_from": reused_from}
-        (run_dir / "summary.json").write_text(json.dumps(summary))
-        point.update(status="reused" if reused_from else "finished", metrics=final)
+                   "wall_s": 1.5, "final": final, "reused_from": reused_from, **(summary or {})}
+        (run_dir / "summary.json").write_text(records.dumps(summary))
+        point.update(status=records.ended_status(summary), metrics=final, error=summary.get("error"))
     if error is not None:
         point.update(status="failed", error=error)
         (run_dir / "error.log").write_text(traceback or f"Traceback (most recent call last):\n  ...\n{error}\n")
-    (run_dir / "point.json").write_text(json.dumps(point))
+    (run_dir / "point.json").write_text(records.dumps(point))
     return run_dir
 
 

@@ -126,6 +126,17 @@ def test_report_files_markdown_html_pngs(grid, tmp_path):
     assert "Common overrides: trainer.max_steps=4" in md
     assert "![curves](curves.png)" in md and '<img src="vs_balancer.alpha.png"' in page
     assert page.count("<table") == 1 and "<th>val/kl_to_teacher</th>" in page
+    # every finished point's row, as the hand-made summary.json has it (the best values bold)
+    best = {m: min if m in ("val/lm_loss", "val/kl_to_teacher") else max for m in NAMES if m != "train/kept_mass"}
+    for num, (alpha, loss) in enumerate(GRID):
+        if (alpha, loss) in FINISHED:
+            values = FINISHED[(alpha, loss)]
+            cells = []
+            for i, (metric, v) in enumerate(zip(NAMES, values)):
+                cell = f"{v:.1f}" if abs(v) >= 100 else f"{v:.4f}"
+                is_best = metric in best and v == best[metric](f[i] for f in FINISHED.values())
+                cells.append(f"**{cell}**" if is_best else cell)
+            assert f"| {num} | {alpha} | {loss} | " + " | ".join(cells) + " | 4 | finished |  |" in md, num
     assert '<tr class="failed">' in page and "RuntimeError: boom at step 2" in page
     # A second report of the same sweep finds the same points: report/ itself is never read as a run.
     assert [p.name for p in load_sweep(grid).points] == [str(i) for i in range(len(GRID))]
@@ -255,6 +266,71 @@ def test_arms_side_by_side(tmp_path):
     files = write_report(sweep, tmp_path / "out")
     assert "arms" in files.plots and png_size(files.plots["arms"])[0] > 200
     assert "## Arms (metrics: mean over each arm's finished points)" in files.markdown.read_text()
+
+
+NAN = float("nan")
+# arm -> one (val/lm_loss, val/kl_to_teacher) per finished replicate; "after" seed 2 has a NaN KL
+NAN_ARMS = {"before": [(3.4, 0.8), (3.2, 0.6)], "after": [(3.0, 0.4), (2.8, NAN)]}
+DIVERGED_ERROR = "diverged at step 3: non-finite train/grad_norm (train/loss=1.7, train/grad_norm=nan)"
+
+
+def make_nan_sweep(root: Path) -> Path:
+    """Two arms of two finished replicates (one with a NaN metric) and a diverged point whose summary holds its last
+    finite metrics, val/lm_loss NaN, and whose metrics.jsonl ends on a NaN train/loss. All JSON strict, as written."""
+    num = 0
+    for arm, runs in NAN_ARMS.items():
+        for seed, (lm, kl) in zip((1, 2), runs):
+            final = {"val/lm_loss": lm, "val/kl_to_teacher": kl, "val/top1_agreement": 0.5}
+            write_run_dir(root / str(num), overrides=[f"arm={arm}", f"trainer.seed={seed}"],
+                          config=tiny_config(0.9, "topk", arm=arm), choices={"arm": arm}, num=num, final=final,
+                          steps=4, val=[{"step": 4, **final}])
+            num += 1
+    write_run_dir(root / str(num), overrides=["arm=before", "trainer.seed=3"], config=tiny_config(0.9, "topk", "before"),
+                  choices={"arm": "before"}, num=num, steps=4,
+                  train=[{"step": 1, "train/loss": 2.5}, {"step": 2, "train/loss": 2.0}, {"step": 3, "train/loss": NAN}],
+                  final={"train/loss": 2.0, "val/lm_loss": NAN, "val/kl_to_teacher": 0.7},
+                  summary={"status": "diverged", "step": 3, "error": DIVERGED_ERROR, "checkpoint": 2})
+    (root / str(num) / "error.log").write_text(f"Traceback (most recent call last):\n  ...\nDiverged: {DIVERGED_ERROR}\n")
+    return root
+
+
+def test_diverged_point_and_nan_metrics(tmp_path):
+    root = make_nan_sweep(tmp_path / "nan")
+    assert '"val/lm_loss": "NaN"' in (root / "4" / "summary.json").read_text()  # the fixture is strict JSON
+    sweep = load_sweep(root)
+    assert [p.status for p in sweep.points] == ["finished"] * 4 + ["diverged"]
+    diverged = sweep.points[4]
+    assert diverged.error == DIVERGED_ERROR and diverged.steps == 3
+    assert diverged.final["train/loss"] == 2.0  # the summary's last finite value stands over the NaN line
+    assert diverged.curves["train/loss"][:2] == [(1, 2.5), (2, 2.0)] and math.isnan(diverged.curves["train/loss"][2][1])
+    table = points_table(sweep)
+    text = [dict(zip(table.columns, row)) for row in table.text]
+    assert text[4]["status"] == "diverged (last finite values)" and text[4]["error"] == DIVERGED_ERROR
+    assert (text[4]["val/lm_loss"], text[4]["val/kl_to_teacher"], text[4]["val/top1_agreement"]) == (
+        "NaN", "0.7000", "—")  # NaN is a value, "—" is missing
+    assert text[3]["val/kl_to_teacher"] == "NaN" and math.isnan(table.records()[3]["val/kl_to_teacher"])
+    assert text[3]["val/lm_loss"] == "2.8000"
+    best = best_points(sweep)  # never a NaN, never a diverged point
+    assert best["val/lm_loss"].value == 2.8 and best["val/kl_to_teacher"].value == 0.4
+
+    arms = arms_table(sweep)
+    rows = {r[0]: r[1:] for r in arms.rows}
+    cells = {t[0]: t[1:] for t in arms.text}
+    assert rows["points"] == [3, 2] and rows["finished"] == [2, 2] and rows["diverged"] == [1, 0]
+    assert rows["val/lm_loss"] == pytest.approx([3.3, 2.9])  # the diverged point is not a replicate
+    assert rows["val/kl_to_teacher"][0] == pytest.approx(0.7) and math.isnan(rows["val/kl_to_teacher"][1])
+    assert cells["val/kl_to_teacher"] == ["0.7000", "NaN (1 of 2 non-finite)"]  # propagated, with the count
+    assert cells["val/lm_loss"] == ["3.3000", f"2.9000 ({100 * (2.9 - 3.3) / 3.3:+.1f}%)"]
+
+    files = write_report(sweep, tmp_path / "out")
+    md, page = files.markdown.read_text(), files.html.read_text()
+    assert "5 points: 4 finished, 1 diverged" in md and "## Diverged points" in md
+    assert f"`{DIVERGED_ERROR}`" in md and f"Diverged: {DIVERGED_ERROR}" in md  # the error and its error.log
+    assert "| 4 | before | 3 | NaN | 0.7000 | — |" in md
+    assert '<tr class="diverged">' in page and "<td>NaN (1 of 2 non-finite)</td>" in page
+    r = run_cli(str(root))
+    assert r.returncode == 0, r.stderr
+    assert f"diverged 4: {DIVERGED_ERROR}" in r.stdout
 
 
 # ---------------------------------------------------------------------------------------------------------------------
