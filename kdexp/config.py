@@ -20,6 +20,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from kdexp.losses.options import BalancerOptions, KDLossOptions
+
 
 @dataclass
 class ModelConfig:
@@ -34,26 +36,17 @@ class ModelConfig:
 
 
 @dataclass
-class LossConfig:
+class LossConfig(KDLossOptions):
+    """The loss group: the keywords of kdexp.losses.logits_kd_loss (their value rules live there), plus the option's
+    name. The run's default is Top-K 1024 with a ghost token (logits_kd_loss's own default is dense)."""
+
     name: str = "topk"
-    temperature: float = 1.0
     top_k: Optional[int] = 1024
-    top_p: Optional[float] = None
-    min_k: int = 1
-    ghost_token: bool = True
-    normalization: str = "full"  # full | renormalize
-    divergence: str = "forward_kl"  # forward_kl | reverse_kl | jsd
-    jsd_beta: float = 0.5
-    temperature_squared: bool = False  # multiply the KD loss by T^2 (Hinton); off by default
 
 
 @dataclass
-class BalancerConfig:
-    name: str = "alpha"  # alpha | dynamic
-    alpha: Optional[float] = 0.9
-    # ModelOpt's legacy dynamic balancer; these keys are rejected with the alpha balancer.
-    kd_loss_scale: Optional[float] = None
-    skip_lm_loss: Optional[bool] = None
+class BalancerConfig(BalancerOptions):
+    """The balancer group: kdexp.losses.BalancerOptions (alpha | dynamic; keys the chosen one ignores are rejected)."""
 
 
 @dataclass
@@ -87,7 +80,6 @@ class TrainerConfig:
     skip_nonfinite: int = 0  # non-finite steps to skip (no update) before the run stops as diverged
     reuse_finished: bool = True  # in a sweep, a point whose resolved config already finished is not retrained
     export_hf: bool = False  # at the end, write the distilled student as a Hugging Face checkpoint (run_dir/student_hf)
-    skip_nonfinite: int = 0
 
 
 @dataclass
@@ -142,56 +134,8 @@ register()
 # value checks
 
 _DTYPES = ("float32", "bfloat16")
-_DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
-_NORMALIZATIONS = ("full", "renormalize")
-
-
 def _fail(key: str, value: Any, allowed: str) -> None:
     raise ValueError(f"{key}={value!r} is invalid: {allowed}")
-
-
-def _check_loss(loss: Any, vocab: Optional[int]) -> None:
-    if not loss.temperature > 0:
-        _fail("loss.temperature", loss.temperature, "must be > 0")
-    if loss.top_p is not None and not 0.0 < loss.top_p <= 1.0:
-        _fail("loss.top_p", loss.top_p, "must be in (0, 1] (or null for no nucleus)")
-    if loss.top_k is not None:
-        if loss.top_k < 1:
-            _fail("loss.top_k", loss.top_k, "must be >= 1 (or null for the whole vocabulary)")
-        if vocab is not None and loss.top_k > vocab:
-            _fail("loss.top_k", loss.top_k, f"must be <= the vocabulary size {vocab}")
-    if loss.min_k < 1:
-        _fail("loss.min_k", loss.min_k, "must be >= 1")
-    if loss.top_k is not None and loss.min_k > loss.top_k:
-        _fail("loss.min_k", loss.min_k, f"must be <= loss.top_k={loss.top_k}")
-    if loss.divergence not in _DIVERGENCES:
-        _fail("loss.divergence", loss.divergence, f"must be one of {_DIVERGENCES}")
-    if loss.normalization not in _NORMALIZATIONS:
-        _fail("loss.normalization", loss.normalization, f"must be one of {_NORMALIZATIONS}")
-    if loss.normalization == "renormalize" and loss.ghost_token:
-        _fail("loss.ghost_token", loss.ghost_token,
-              "must be false with loss.normalization=renormalize (a renormalised Top-K has no residual mass)")
-    if loss.divergence == "jsd" and not 0.0 < loss.jsd_beta < 1.0:
-        _fail("loss.jsd_beta", loss.jsd_beta, "must be in (0, 1)")
-
-
-def _check_balancer(bal: Any) -> None:
-    if bal.name == "alpha":
-        if bal.skip_lm_loss is not None:
-            raise ValueError(
-                f"balancer.skip_lm_loss={bal.skip_lm_loss!r} was removed (ModelOpt's legacy key): use balancer.alpha "
-                "instead; skip_lm_loss=True means balancer.alpha=1.0")
-        if bal.kd_loss_scale is not None:
-            raise ValueError(
-                f"balancer.kd_loss_scale={bal.kd_loss_scale!r} was removed (ModelOpt's legacy key): use balancer.alpha "
-                "to weight KD against LM as (1 - alpha) * lm + alpha * kd (or balancer=dynamic for the legacy behaviour)")
-        if bal.alpha is None or not 0.0 <= bal.alpha <= 1.0:
-            _fail("balancer.alpha", bal.alpha, "must be in [0, 1]")
-    elif bal.name == "dynamic":
-        if bal.kd_loss_scale is not None and not bal.kd_loss_scale > 0:
-            _fail("balancer.kd_loss_scale", bal.kd_loss_scale, "must be > 0")
-    else:
-        _fail("balancer.name", bal.name, "must be 'alpha' or 'dynamic'")
 
 
 # Generic rules: the one-line message says what the value must be.
@@ -486,8 +430,8 @@ def validate(cfg: Any) -> None:
         raise ValueError(f"model.teacher vocabulary ({teacher_vocab}) and model.student vocabulary ({student_vocab}) "
                          "differ: logit distillation needs one shared vocabulary")
     _check_tokenizer(cfg)
-    _check_loss(cfg.loss, teacher_vocab)
-    _check_balancer(cfg.balancer)
+    KDLossOptions.from_config(cfg.loss).check(teacher_vocab, prefix="loss.")  # the loss's own rules
+    BalancerOptions.from_config(cfg.balancer).check(prefix="balancer.")
     _check_trainer(cfg.trainer, min(s[3] for s in shapes.values()))
     _check_parallel(cfg, shapes, teacher_vocab)
     _check_logger(cfg)

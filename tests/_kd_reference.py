@@ -27,7 +27,7 @@ def reference_kd(student, teacher, *, temperature=1.0, top_k=None, top_p=None, m
     n, v = s.shape
     q_all = torch.softmax(s, -1)
     p_all = torch.softmax(t, -1)
-    losses, kept_t, kept_s, sizes, ghost = [], [], [], [], []
+    losses, kept_t, kept_s, sizes, resid_t, resid_s = [], [], [], [], [], []
     for i in range(n):
         order = torch.argsort(p_all[i], descending=True)
         cand = order[: (top_k if top_k is not None else v)]
@@ -46,7 +46,8 @@ def reference_kd(student, teacher, *, temperature=1.0, top_k=None, top_p=None, m
         kept_s.append(float(Q.detach().sum()))
         sizes.append(len(S))
         rt, rs = p_all[i, outside].sum(), q_all[i, outside].sum()  # residual = mass outside S, by definition
-        ghost.append(float(rt.detach()))
+        resid_t.append(float(rt.detach()))
+        resid_s.append(float(rs.detach()))
         if normalization == "renormalize":
             P, Q = P / P.sum(), Q / Q.sum()
         elif ghost_token and bool(outside.any()):
@@ -56,4 +57,4 @@ def reference_kd(student, teacher, *, temperature=1.0, top_k=None, top_p=None, m
     if scale_by_temperature_squared:
         loss = loss * temperature**2
     return loss, {"teacher_kept_mass": kept_t, "student_kept_mass": kept_s, "nucleus_size": sizes,
-                  "ghost_mass": ghost}
+                  "teacher_residual_mass": resid_t, "student_residual_mass": resid_s}

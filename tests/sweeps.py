@@ -118,3 +118,14 @@ def checked_real_points(sweep_dir: Path, proc: subprocess.CompletedProcess) -> d
               + f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}")
     assert statuses == {0.0: "finished", 1.0: "finished", 1.5: "failed"}, detail
     return points
+
+
+def run_diverging_sweep(sweep_dir: Path, *, index_dir: Path, timeout: float = 1800) -> subprocess.CompletedProcess:
+    """A real multirun of the smoke experiment with trainer.lr=0.002 (finishes) and 1e6 (a non-finite gradient norm
+    stops it at step 3, after the step-2 checkpoint). ``index_dir`` = a fresh finished-points index, so neither
+    point is reused from another test's run of the same config (the session's teacher cache is shared)."""
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    cmd = [sys.executable, "-m", "kdexp.run", "-m", "experiment=smoke", "logger=none", "trainer.max_steps=4",
+           "trainer.eval_interval=2", "trainer.eval_iters=1", "trainer.log_interval=1", "trainer.checkpoint_interval=2",
+           f"paths.index={index_dir}", "trainer.lr=0.002,1e6", f"hydra.sweep.dir={sweep_dir}"]
+    return subprocess.run(cmd, cwd=sweep_dir.parent, env=env, capture_output=True, text=True, timeout=timeout)

@@ -15,15 +15,21 @@ import numpy
 import pytest
 import torch
 
-import kdexp.data.dataset as dataset_mod
-from kdexp.data import (atomic_dir, batches, build_cached, cached_path, embedded_corpus, embedded_documents,
-                        prepare)
+import kdexp.data.sources as sources_mod
+from kdexp.config import DataConfig
+from kdexp.data import atomic_dir, batches, build_cached, cached_path, embedded_corpus, embedded_documents
+from kdexp.data import prepare as data_prepare
 from kdexp.data.cache import cache_dir
 from kdexp.data.indexed import read_indexed, tokenize_to_indexed
 from kdexp.data.tokenizer import EOD_TOKEN, Tokenizer
 
 SMALL = {"name": "stdlib", "vocab_size": 512, "max_chars": 300_000, "val_fraction": 0.1}
 SEQ = 64
+
+
+def prepare(changes: dict, **kwargs):
+    """kdexp.data.prepare on the schema's data node with `changes` (as a data=... group file would give it)."""
+    return data_prepare(DataConfig(**changes), **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +63,10 @@ def test_corpus_deterministic_disjoint_nonempty():
 
 
 def test_corpus_bad_values():
+    good = {"max_chars": 300_000, "val_fraction": 0.1}
     for kwargs in ({"max_chars": 10}, {"val_fraction": 0.0}, {"val_fraction": 0.7}, {"max_documents": 1}):
         with pytest.raises(ValueError, match=next(iter(kwargs))):
-            embedded_corpus(**kwargs)
+            embedded_corpus(**{**good, **kwargs})
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer
@@ -81,8 +88,8 @@ def test_tokenizer_round_trip_and_vocab(small):
 
 def test_tokenizer_cached_not_retrained(tmp_path, monkeypatch):
     calls = []
-    real = dataset_mod.train_bpe
-    monkeypatch.setattr(dataset_mod, "train_bpe", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = sources_mod.train_bpe
+    monkeypatch.setattr(sources_mod, "train_bpe", lambda *a, **k: calls.append(1) or real(*a, **k))
     cfg = dict(SMALL, max_chars=120_000)
     first = prepare(cfg, seq_length=SEQ, cache_dir=tmp_path, seed=1, train_samples=10, val_samples=2)
     tok_file = first.info["tokenizer"] + "/tokenizer.json"
@@ -95,7 +102,10 @@ def test_tokenizer_cached_not_retrained(tmp_path, monkeypatch):
     prepare(dict(cfg, vocab_size=600), seq_length=SEQ, cache_dir=tmp_path, seed=1, train_samples=10,
             val_samples=2)
     assert len(calls) == 2
-    assert len(list((tmp_path / "tokenizer").iterdir())) == 2
+    # two artefacts, each beside its lock file (.<name>.lock)
+    entries = sorted(p.name for p in (tmp_path / "tokenizer").iterdir())
+    assert len([e for e in entries if not e.startswith(".")]) == 2
+    assert [e for e in entries if e.startswith(".")] == sorted(f".{e}.lock" for e in entries if not e.startswith("."))
 
 
 # --------------------------------------------------------------------------------------- indexed dataset
@@ -221,9 +231,10 @@ def test_indexed_source_with_saved_tokenizer(tmp_path, small):
     p1, p2 = str(tmp_path / "a"), str(tmp_path / "b")
     tokenize_to_indexed(p1, texts_train[: len(texts_train) // 2], loaded)
     tokenize_to_indexed(p2, texts_train[len(texts_train) // 2:], loaded)
-    cfg = {"name": "indexed", "prefixes": [p1], "split": "969,30,1", "tokenizer": str(hf_dir)}
-    # ~10 documents cannot give 3% to validation: a clear error instead of megatron's endless loop.
-    with pytest.raises(ValueError, match="data.split.*validation"):
+    cfg = {"name": "indexed", "prefixes": [p1], "tokenizer": str(hf_dir)}
+    # The schema's split "969,30,1" (no fallback of prepare's own): ~10 documents cannot give 3% to validation,
+    # a clear error instead of megatron's endless loop.
+    with pytest.raises(ValueError, match="data.split='969,30,1'.*validation"):
         prepare(cfg, seq_length=SEQ, cache_dir=tmp_path / "c", seed=3, train_samples=50, val_samples=5)
     cfg["split"] = "70,30,1"  # the test share is dropped, not built
     one = prepare(cfg, seq_length=SEQ, cache_dir=tmp_path / "c", seed=3, train_samples=50, val_samples=5)
@@ -312,11 +323,12 @@ def _worker(rank, world, port, root, out):
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import kdexp.data.dataset as dm
+    import kdexp.data.sources as sm
 
     calls = []
-    real = dm.train_bpe
-    dm.train_bpe = lambda *a, **k: calls.append(1) or real(*a, **k)
-    cfg = dict(SMALL, max_chars=150_000)
+    real = sm.train_bpe
+    sm.train_bpe = lambda *a, **k: calls.append(1) or real(*a, **k)
+    cfg = DataConfig(**dict(SMALL, max_chars=150_000))
     bundle = dm.prepare(cfg, seq_length=SEQ, cache_dir=root, seed=5, train_samples=40, val_samples=4)
     mine = [b["tokens"].tolist() for b in dm.batches(bundle.train_ds, micro_batch_size=2, dp_rank=rank,
                                                      dp_size=world)][:5]

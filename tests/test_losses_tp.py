@@ -61,6 +61,32 @@ def _check_case(kw, s, t, w, lo, hi, rank):
                                msg=lambda m: f"{where}: {m}")
 
 
+NEAR_CASES = [  # near convergence at logit offset 256: centring must use the max over all ranks
+    dict(), dict(temperature=2.0), dict(temperature=3.0, divergence="reverse_kl"), dict(top_k=8),
+    dict(top_k=40, ghost_token=False, temperature=0.5), dict(top_p=0.7, min_k=2, divergence="jsd"),
+    dict(top_k=8, normalization="renormalize", ghost_token=False, temperature=4.0),
+]
+
+
+def _check_near(kw, s, t, lo, hi, rank):
+    """TP=2 against float64 (and so against TP=1, which tests/test_losses.py holds to the same standard)."""
+    from _kd_reference import reference_kd
+    from kdexp.losses import logits_kd_loss
+
+    shard = s[:, lo:hi].clone().requires_grad_(True)
+    loss = logits_kd_loss(shard, t[:, lo:hi].contiguous(), tp_group=dist.group.WORLD, chunk_tokens=4, **kw)
+    loss.sum().backward()
+    ref64 = s.double().requires_grad_(True)
+    r64, _ = reference_kd(ref64, t, **kw)
+    r64.sum().backward()
+    where = f"near-converged {kw} split {lo}:{hi} rank {rank}"
+    err = float((loss.detach().double() - r64.detach()).abs().max())
+    assert err <= 1e-6 and float(loss.min()) >= -1e-7, f"{where}: loss error {err:.2e}, min {float(loss.min()):.2e}"
+    scale = float(ref64.grad.abs().max())
+    gerr = float((shard.grad.double() - ref64.grad[:, lo:hi]).abs().max())
+    assert gerr <= 4e-3 * scale, f"{where}: gradient error {gerr:.2e} vs scale {scale:.2e}"
+
+
 def _worker(rank, world, port, splits):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -75,6 +101,11 @@ def _worker(rank, world, port, splits):
         for split in splits:
             for kw in CASES:
                 _check_case(kw, s, t, w, split[rank], split[rank + 1], rank)
+        t = (torch.randn(N, V, generator=g, dtype=torch.float64) * 2.0 + 256.0).float()
+        s = (t.double() + torch.randn(N, V, generator=g, dtype=torch.float64) * 1e-3).float()
+        for split in splits:
+            for kw in NEAR_CASES:
+                _check_near(kw, s, t, split[rank], split[rank + 1], rank)
     finally:
         dist.destroy_process_group()
 

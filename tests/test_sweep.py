@@ -6,6 +6,8 @@ launcher and with submitit_local, and check that every other point finishes and 
 from __future__ import annotations
 
 import json
+import math
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +16,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from _sweep_apps import CONF_DIR, app_env, load_sweep, run_app, sweep_dirs, write_app
-from kdexp.track import sweep
+from kdexp.track import records, sweep
+from sweeps import run_diverging_sweep
 
 # A task whose result the test recomputes independently: score = 1.5 * x, and x == 2 fails.
 SCORE_TASK = """\
@@ -94,7 +97,7 @@ def test_point_and_sweep_json_with_a_failure(tmp_path):
     assert [p["num"] for p in s["points"]] == [0, 1, 2, 3]
     assert [p["status"] for p in s["points"]] == ["finished", "running", "failed", "pending"]
     assert [p["overrides"] for p in s["points"]] == plan
-    assert s["counts"] == {"pending": 1, "running": 1, "finished": 1, "reused": 0, "failed": 1}
+    assert s["counts"] == {"pending": 1, "running": 1, "finished": 1, "reused": 0, "failed": 1, "diverged": 0}
     assert s["points"][0]["metrics"] == {"val/lm_loss": 2.5}
     assert s["points"][0]["run_dir"] == str((sweep_dir / "0").resolve())
     failed = s["points"][2]
@@ -104,20 +107,92 @@ def test_point_and_sweep_json_with_a_failure(tmp_path):
         assert "Traceback (most recent call last)" in text and "_fail_here" in text
         assert "ValueError: loss exploded at step 3" in text
     assert json.loads((sweep_dir / "2" / "point.json").read_text())["status"] == "failed"
-    assert sweep.progress_line(s) == (f"[sweep] 1/4 done, 1 running, 1 failed - report: python -m kdexp.report "
-                                      f"{sweep_dir.resolve()}")
+    assert sweep.progress_line(s) == (f"[sweep] 1/4 done, 1 running, 1 failed, 0 diverged - report: "
+                                      f"python -m kdexp.report {sweep_dir.resolve()}")
 
 
 def test_record_point_rejects_unknown_status_and_only_rank0_writes(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match="status='done'.*pending, running, finished, reused, failed"):
+    with pytest.raises(ValueError, match="status='done'.*pending, running, finished, reused, failed, diverged"):
         sweep.record_point(tmp_path / "r", "done")
     monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
     assert sweep.record_point(tmp_path / "r1", "finished") is None
     assert sweep.record_failure(tmp_path / "r1", RuntimeError("x")) is None
     assert not (tmp_path / "r1").exists()
     monkeypatch.delenv("RANK")
+    monkeypatch.setenv("SLURM_PROCID", "1")  # an srun step's second task: not the writer either
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_STEP_ID", "0")
+    assert sweep.record_point(tmp_path / "r1", "finished") is None and not (tmp_path / "r1").exists()
     monkeypatch.setenv("SLURM_PROCID", "0")
     assert sweep.record_point(tmp_path / "r0", "finished")["status"] == "finished"
+
+
+def test_record_failure_of_a_diverged_point_keeps_its_own_error_log(tmp_path):
+    run_dir = tmp_path / "sw" / "1"
+    final = {"train/loss": 1.75, "val/lm_loss": float("nan")}
+    records.write_json(run_dir / records.SUMMARY, {"status": "diverged", "step": 3, "final": final,
+                                                   "error": "diverged at step 3: non-finite train/grad_norm"})
+    (run_dir / records.ERROR_LOG).write_text("the point's own error log\n")
+    sweep.record_point(run_dir, "running", num=1, overrides=["trainer.lr=1e6"])
+    try:
+        _fail_here("diverged at step 3")
+    except ValueError as exc:
+        point = sweep.record_failure(run_dir, exc)
+    assert (run_dir / records.ERROR_LOG).read_text() == "the point's own error log\n"  # not overwritten
+    assert not (run_dir / records.RUN_LOG).exists()  # the point's own record stands for run.log too
+    on_disk = records.read_json(run_dir / records.POINT)
+    assert on_disk == point and point["status"] == "diverged" and point["step"] == 3
+    assert point["error"] == "diverged at step 3: non-finite train/grad_norm"  # the summary's message
+    assert point["metrics"]["train/loss"] == 1.75 and math.isnan(point["metrics"]["val/lm_loss"])
+    assert '"val/lm_loss": "NaN"' in (run_dir / records.POINT).read_text()  # strict JSON on disk
+    # without an error.log of its own, the callback writes one (and appends the same to run.log)
+    (run_dir / records.ERROR_LOG).unlink()
+    try:
+        _fail_here("diverged at step 3")
+    except ValueError as exc:
+        sweep.record_failure(run_dir, exc)
+    text = (run_dir / records.ERROR_LOG).read_text()
+    assert text.splitlines()[0].endswith("point diverged on " + socket.gethostname())
+    assert "_fail_here" in text and text in (run_dir / records.RUN_LOG).read_text()
+    assert sweep.rebuild_sweep(tmp_path / "sw")["counts"]["diverged"] == 1
+
+
+@pytest.mark.slow
+def test_real_sweep_with_a_diverging_point(tmp_path):
+    from kdexp.report import load_sweep as load_report, points_table, to_markdown
+
+    sweep_dir = tmp_path / "sw"
+    proc = run_diverging_sweep(sweep_dir, index_dir=tmp_path / "points")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out  # the sweep ran to the end, then says through its exit status: not all well
+    s = json.loads((sweep_dir / "sweep.json").read_text())
+    assert [(p["num"], p["status"]) for p in s["points"]] == [(0, "finished"), (1, "diverged")], out
+    assert s["counts"] == {"pending": 0, "running": 0, "finished": 1, "reused": 0, "failed": 0, "diverged": 1}
+    summaries = [json.loads((sweep_dir / str(n) / "summary.json").read_text()) for n in (0, 1)]
+    assert [x["status"] for x in summaries] == ["finished", "diverged"]
+    for p, summary in zip(s["points"], summaries):
+        assert json.loads((sweep_dir / str(p["num"]) / "point.json").read_text())["status"] == p["status"]
+        assert p["metrics"] == summary["final"]  # the diverged point's: its last finite metrics
+    diverged, bad = s["points"][1], summaries[1]
+    assert bad["step"] == 3 and bad["checkpoint"] == 2 and diverged["error"] == bad["error"]
+    assert bad["error"].startswith("diverged at step 3: non-finite")
+    error_log = (sweep_dir / "1" / "error.log").read_text()
+    assert error_log.count(" point diverged on ") == 1 and f"kdexp.train.errors.Diverged: {bad['error']}" in error_log
+    assert not (sweep_dir / "0" / "error.log").exists()
+    assert "[sweep] 1/2 done, 0 running, 0 failed, 1 diverged" in out
+    assert "[sweep] ended: 1 finished, 0 reused, 0 failed, 1 diverged, 0 not finished, of 2" in out
+    assert f"[sweep] diverged #1: trainer.lr=1000000.0: {bad['error']}" in out  # the plan names it as Hydra parsed it
+
+    # the report: status diverged, the numbers of each summary.json, steps = where it stopped
+    table = points_table(load_report(sweep_dir))
+    rows = table.records()
+    assert [r["status"] for r in rows] == ["finished", "diverged"] and rows[1]["error"] == bad["error"]
+    for row, summary in zip(rows, summaries):
+        for metric in ("val/lm_loss", "val/kl_to_teacher", "val/top1_agreement", "train/kept_mass"):
+            assert row[metric] == summary["final"][metric], metric
+    assert [r["steps"] for r in rows] == [4, 3]
+    assert "| diverged (last finite values) |" in to_markdown(table)
 
 
 # --- naming -------------------------------------------------------------------------------------------------------------
@@ -162,7 +237,7 @@ def _check_scores_sweep(root: Path, xs: list[int], out: str) -> None:
         assert json.loads((Path(p["run_dir"]) / "point.json").read_text())["status"] == p["status"]
     assert f"[sweep] {len(xs)} points -> {s['sweep_dir']}" in out
     assert f"report: python -m kdexp.report {s['sweep_dir']}" in out
-    assert f"[sweep] ended: {len(xs) - 1} finished, 0 reused, 1 failed" in out
+    assert f"[sweep] ended: {len(xs) - 1} finished, 0 reused, 1 failed, 0 diverged" in out
 
 
 def test_basic_launcher_failing_point_does_not_stop_the_others(tmp_path):
@@ -172,7 +247,8 @@ def test_basic_launcher_failing_point_does_not_stop_the_others(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 1, out  # the sweep ran to the end, then reports the failed point through its exit status
     _check_scores_sweep(root, [1, 2, 3], out)
-    assert "[sweep] 1/3 done, 0 running, 0 failed" in out and "[sweep] 2/3 done, 0 running, 1 failed" in out
+    assert "[sweep] 1/3 done, 0 running, 0 failed, 0 diverged" in out
+    assert "[sweep] 2/3 done, 0 running, 1 failed, 0 diverged" in out
 
 
 def test_submitit_local_failing_point_does_not_stop_the_others(tmp_path):

@@ -4,7 +4,9 @@
 
 Both variants run interleaved in one process on the same batches, so machine noise hits both alike; the table gives
 medians and the ratio. The baseline is what any distillation must pay anyway (the teacher's forward and the student's
-forward + backward with the LM loss); the difference is the cost of the KD loss itself.
+forward + backward with the LM loss); the difference is the cost of the KD loss itself. Both end like a trainer step:
+DP gradient averaging, clipping, the non-finite guard's one host read, the optimizer step. The setup is the
+trainer's own (kdexp.train.loop.setup).
 """
 from __future__ import annotations
 
@@ -18,9 +20,9 @@ from hydra import compose, initialize_config_module
 import kdexp.config  # noqa: F401
 from kdexp import distributed, models
 from kdexp.data import batches
-from kdexp.train import objectives
+from kdexp.train import objectives, optim
 from kdexp.train.loop import setup
-from kdexp.train.step import train_step
+from kdexp.train.step import NonFiniteGuard, apply_update, train_step
 
 
 def main(argv=None) -> None:
@@ -29,6 +31,8 @@ def main(argv=None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        ap.error(f"--steps must be >= 1 and --warmup >= 0, got --steps {args.steps} --warmup {args.warmup}")
     with initialize_config_module(config_module="kdexp.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=args.overrides)
     kdexp.config.validate(cfg)
@@ -44,18 +48,26 @@ def main(argv=None) -> None:
 
     train_batches = stream()
 
-    def kd_step(batch):
-        opt.zero_grad(set_to_none=True)
-        train_step(student, teacher, batch, balancer, cfg, needs_lm=balancer.needs_lm_loss)
-        opt.step()
+    guard = NonFiniteGuard(t.skip_nonfinite)
 
-    def baseline_step(batch):
+    def update(step, loss):  # what the trainer does after the backward pass (kdexp.train.loop.distill)
+        optim.average_gradients(student)
+        grad_norm = optim.clip_gradients(student, t.grad_clip)
+        apply_update(opt, guard.check_step(step, loss, grad_norm))
+
+    def kd_step(step, batch):
+        opt.zero_grad(set_to_none=True)
+        parts = train_step(student, teacher, batch, balancer, cfg, needs_lm=balancer.needs_lm_loss)
+        update(step, parts["train/loss"])
+
+    def baseline_step(step, batch):
         opt.zero_grad(set_to_none=True)
         with torch.no_grad():
             models.vocab_parallel_logits(teacher, batch["tokens"])
         logits = models.vocab_parallel_logits(student, batch["tokens"])
-        objectives.lm_loss(logits, batch["labels"], batch["loss_mask"]).backward()
-        opt.step()
+        loss = objectives.lm_loss(logits, batch["labels"], batch["loss_mask"])
+        loss.backward()
+        update(step, loss.detach())
 
     times = {"kd": [], "baseline": []}
     for i in range(args.warmup + args.steps):
@@ -65,7 +77,7 @@ def main(argv=None) -> None:
             if st.device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            fn(batch)
+            fn(i + 1, batch)
             if st.device.type == "cuda":
                 torch.cuda.synchronize()
             if i >= args.warmup:

@@ -4,8 +4,9 @@
     for batch in batches(bundle.train_ds, micro_batch_size=8, dp_rank=r, dp_size=n, start_sample=consumed):
         batch["tokens"], batch["labels"], batch["loss_mask"], batch["position_ids"]   # [b, s]
 
-Caching helpers (cache_dir, cached_path, atomic_dir, build_cached) are generic: the trainer stores the
-pretrained embedded teacher with them too.
+`cfg.data` is the schema's data node (kdexp.config.DataConfig holds the defaults). Caching helpers (cache_dir,
+cached_path, atomic_dir, build_cached; kdexp.data.cache: sha256 manifests verified on use, one builder under a file
+lock) are generic: the trainer stores the pretrained embedded teacher with them too.
 """
 
 from kdexp.data.cache import atomic_dir, build_cached, cache_dir, cached_path

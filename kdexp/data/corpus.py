@@ -17,8 +17,9 @@ Left out, and why:
 
 Selection is deterministic for a given Python build: candidates are ranked by sha256 of their name and taken
 greedily until `max_chars` (and `max_documents`) is reached, then returned sorted by name. Ranking by hash
-rather than by name spreads a small cap over the whole library instead of its first letters. The train/validation split is by document: a document is validation when the sha256 of
-its name (with another salt) is among the lowest, taken until validation holds `val_fraction` of the
+rather than by name spreads a small cap over the whole library instead of its first letters. The
+train/validation split is by document: a document is validation when the sha256 of its name (with another salt)
+is among the lowest, taken until validation holds `val_fraction` of the
 characters; at least one document lands on each side.
 """
 
@@ -31,11 +32,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-__all__ = ["Document", "embedded_corpus", "embedded_documents", "corpus_fingerprint",
-           "DEFAULT_MAX_CHARS", "DEFAULT_VAL_FRACTION"]
+__all__ = ["Document", "embedded_corpus", "embedded_documents", "corpus_fingerprint"]
 
-DEFAULT_MAX_CHARS = 4_000_000
-DEFAULT_VAL_FRACTION = 0.03
+# No defaults for the sizes here: data.max_chars / data.val_fraction / data.max_documents of the schema
+# (kdexp.config.DataConfig) are the one set of them.
 
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__",
                   "encodings", "lib2to3"}
@@ -94,8 +94,7 @@ def _check(max_chars, val_fraction, max_documents) -> None:
         raise ValueError(f"data.max_documents must be None or an int >= 2, got {max_documents!r}")
 
 
-def embedded_corpus(max_chars: int = DEFAULT_MAX_CHARS, val_fraction: float = DEFAULT_VAL_FRACTION,
-                    max_documents: int | None = None) -> tuple[list[Document], list[Document]]:
+def embedded_corpus(max_chars: int, val_fraction: float, max_documents: int | None = None) -> tuple[list[Document], list[Document]]:
     """(train, validation) documents of the embedded corpus, each list sorted by name; see module doc."""
     _check(max_chars, val_fraction, max_documents)
     ranked = sorted(_all_documents(), key=lambda d: (_unit(d.name, "select"), d.name))
@@ -127,8 +126,7 @@ def embedded_corpus(max_chars: int = DEFAULT_MAX_CHARS, val_fraction: float = DE
     return train, val
 
 
-def embedded_documents(max_chars: int = DEFAULT_MAX_CHARS, val_fraction: float = DEFAULT_VAL_FRACTION,
-                       max_documents: int | None = None) -> tuple[list[str], list[str]]:
+def embedded_documents(max_chars: int, val_fraction: float, max_documents: int | None = None) -> tuple[list[str], list[str]]:
     """(train_docs, val_docs) as plain strings (the contract's view of `embedded_corpus`)."""
     train, val = embedded_corpus(max_chars, val_fraction, max_documents)
     return [d.text for d in train], [d.text for d in val]

@@ -1,18 +1,21 @@
 """`prepare()`: config -> tokenizer + megatron GPTDatasets (train, validation); `batches()`: data-parallel,
 resumable micro-batches from one of them.
 
-Two sources (``data.name``):
+Two sources of token files (``data.name``; kdexp.data.sources):
   * ``stdlib`` -- the embedded corpus (kdexp.data.corpus): a byte-level BPE is trained on its train split
     (unless a checkpoint tokenizer is given), both splits are tokenized into indexed datasets, all cached;
-  * ``indexed`` -- existing megatron <prefix>.bin/.idx files (``data.prefixes``, or ``data.blend`` as
-    megatron's ["weight", "prefix", ...] list) with the checkpoint's tokenizer (``data.tokenizer``);
-    train/validation come from ``data.split`` ("98,2,0") or from separate ``data.valid_prefixes``.
+  * ``indexed`` -- existing megatron <prefix>.bin/.idx files (``data.prefixes``: prefixes, or megatron's
+    ["weight", "prefix", ...] list) with the checkpoint's tokenizer (``data.tokenizer``); train/validation
+    come from ``data.split`` or from separate ``data.valid_prefixes``.
 
-Caches: one process per node builds the tokenizer and token files (atomic directories, so nodes sharing a
-filesystem race safely), everyone waits at a barrier and reads. megatron-core's GPTDataset then builds its
-own document/sample/shuffle index cache under <cache>/gpt_index: global rank 0 builds it (holding a file lock
-so that concurrent jobs never read half-written .npy files) and the other ranks read it, which, as in
-Megatron-LM, needs the cache directory on a filesystem all nodes share for multi-node runs.
+`data_cfg` is the ``data`` node of the schema (kdexp.config.DataConfig, or its OmegaConf form): its values are
+read as they are, the schema holds every default.
+
+Caches: one process per node builds the tokenizer and token files (kdexp.data.cache: verified manifests,
+one builder under a lock, atomic directories), everyone waits at a barrier and reads. megatron-core's
+GPTDataset then builds its own document/sample/shuffle index cache under <cache>/gpt_index: global rank 0
+builds it (holding a file lock so that concurrent jobs never read half-written .npy files) and the other ranks
+read it, which, as in Megatron-LM, needs the cache directory on a filesystem all nodes share for multi-node runs.
 
 megatron's sample index comes from its C++ `helpers_cpp` extension, which the megatron-core wheel ships
 compiled (megatron/core/datasets/helpers_cpp.*.so), so nothing is compiled at run time; `_check_helpers`
@@ -22,8 +25,6 @@ fails early with the fix if an install lacks it.
 from __future__ import annotations
 
 import contextlib
-import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -31,16 +32,11 @@ from typing import Any, Iterator
 import torch
 
 from kdexp.data import cache as _cache
-from kdexp.data.corpus import DEFAULT_MAX_CHARS, DEFAULT_VAL_FRACTION, corpus_fingerprint, embedded_corpus
-from kdexp.data.indexed import indexed_exists, tokenize_to_indexed
-from kdexp.data.tokenizer import Tokenizer, train_bpe
+from kdexp.data.sources import file_id, indexed_sources, stdlib_sources, train_valid_split
+from kdexp.data.tokenizer import Tokenizer
 
 __all__ = ["DataBundle", "prepare", "batches"]
 
-log = logging.getLogger(__name__)
-
-DEFAULT_VOCAB_SIZE = 4096
-_FORMAT = 1  # bump when the layout of cached artefacts changes
 
 
 @dataclass
@@ -53,27 +49,6 @@ class DataBundle:
     info: dict = field(default_factory=dict)   # paths and sizes, for logs
     fingerprint: str = ""    # sha256 naming the tokenizer + token data: put it in keys of caches built on them
 
-
-
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    if cfg is None:
-        return default
-    if hasattr(cfg, "get"):  # dict, omegaconf DictConfig
-        value = cfg.get(key, default)
-    else:  # a plain dataclass
-        value = getattr(cfg, key, default)
-    return default if value is None else value
-
-
-def _plain(value: Any) -> Any:
-    try:
-        from omegaconf import OmegaConf
-
-        if OmegaConf.is_config(value):
-            return OmegaConf.to_container(value, resolve=True)
-    except ImportError:
-        pass
-    return value
 
 
 def _check_helpers() -> None:
@@ -92,125 +67,6 @@ def _check_positive(name: str, value: Any, allow_none: bool = False) -> None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
-
-
-# ---------------------------------------------------------------------------------------------- stdlib source
-
-def _stdlib_sources(data_cfg, root: Path, tokenizer_path) -> tuple[Tokenizer, list, list, int, dict]:
-    vocab_size = _get(data_cfg, "vocab_size", DEFAULT_VOCAB_SIZE)
-    max_chars = _get(data_cfg, "max_chars", DEFAULT_MAX_CHARS)
-    val_fraction = _get(data_cfg, "val_fraction", DEFAULT_VAL_FRACTION)
-    max_documents = _get(data_cfg, "max_documents", None)
-    train_docs, val_docs = embedded_corpus(max_chars, val_fraction, max_documents)
-
-    tok_dir = None
-    if tokenizer_path is None:
-        import tokenizers
-
-        tok_dir = _cache.cached_path("tokenizer", {
-            "format": _FORMAT, "type": "bytelevel-bpe", "vocab_size": vocab_size, "min_frequency": 2,
-            "corpus": corpus_fingerprint(train_docs), "tokenizers": tokenizers.__version__}, root)
-    if _cache.is_node_builder():
-        if tok_dir is not None and not tok_dir.is_dir():
-            log.info("training a %d-token byte-level BPE on %d documents", vocab_size, len(train_docs))
-            _cache.build_cached(tok_dir, lambda tmp: train_bpe([d.text for d in train_docs], vocab_size).save(tmp))
-    _cache.barrier()  # (1) tokenizer visible everywhere
-    tokenizer = Tokenizer.from_dir(tok_dir if tok_dir is not None else tokenizer_path)
-
-    tokens_dir = _cache.cached_path("stdlib_tokens", {
-        "format": _FORMAT, "corpus": corpus_fingerprint(train_docs + val_docs), "tokenizer": tokenizer.sha256,
-        "eod": tokenizer.eod, "train": [d.name for d in train_docs], "val": [d.name for d in val_docs]}, root)
-    if _cache.is_node_builder() and not tokens_dir.is_dir():
-        def build(tmp: Path) -> None:
-            tokenize_to_indexed(tmp / "train", [d.text for d in train_docs], tokenizer)
-            tokenize_to_indexed(tmp / "val", [d.text for d in val_docs], tokenizer)
-        _cache.build_cached(tokens_dir, build)
-    _cache.barrier()  # (2) token files visible everywhere
-
-    # The model's embedding covers the configured vocabulary even if a tiny corpus gave BPE fewer merges.
-    model_vocab = max(tokenizer.vocab_size, vocab_size if tok_dir is not None else 0)
-    info = {"source": "stdlib", "tokenizer": str(tok_dir or tokenizer_path), "tokens": str(tokens_dir),
-            "train_documents": len(train_docs), "val_documents": len(val_docs),
-            "train_chars": sum(len(d.text) for d in train_docs), "val_chars": sum(len(d.text) for d in val_docs)}
-    blend_per_split = [([str(tokens_dir / "train")], None), ([str(tokens_dir / "val")], None), None]
-    return tokenizer, None, blend_per_split, model_vocab, info
-
-
-# --------------------------------------------------------------------------------------------- indexed source
-
-def _prefix_list(key: str, value: Any) -> list[str]:
-    value = _plain(value)
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, (list, tuple)) or not value:
-        raise ValueError(f"data.{key} must be a non-empty list of dataset prefixes, got {value!r}")
-    return [str(v) for v in value]
-
-
-def _blend(key: str, items: list[str]):
-    """megatron blend from a list of prefixes or ["w1", "prefix1", "w2", "prefix2", ...]; checks the files."""
-    from megatron.core.datasets.utils import get_blend_from_list
-
-    prefixes, weights = get_blend_from_list(items)
-    for p in prefixes:
-        if not indexed_exists(p):
-            raise ValueError(f"data.{key}: no indexed dataset at {p!r} (need {p}.bin and {p}.idx)")
-    if weights is not None and any(w <= 0 for w in weights):
-        raise ValueError(f"data.{key}: blend weights must be > 0, got {weights}")
-    return [os.path.abspath(os.path.expanduser(p)) for p in prefixes], weights
-
-
-def _file_id(prefix: str) -> list:
-    """Cheap identity of an indexed dataset (its .idx size and mtime; .bin size) without reading it."""
-    idx, bin_ = os.stat(f"{prefix}.idx"), os.stat(f"{prefix}.bin")
-    return [idx.st_size, idx.st_mtime_ns, bin_.st_size]
-
-
-def _train_valid_split(split: Any, blend) -> str:
-    """data.split ("969,30,1") -> megatron split string without the test share, checked against the data.
-
-    kdexp has no test stage, so the test share is dropped (train and validation keep their ratio) rather than
-    built. Every used share must hold at least one document of every prefix: megatron-core 0.16 loops forever
-    on a split with no tokens (GPTDataset._get_num_epochs).
-    """
-    import re
-
-    text = ",".join(str(v) for v in _plain(split)) if isinstance(_plain(split), (list, tuple)) else str(split)
-    parts = re.findall(r"[.0-9]+", text)
-    weights = [float(v) for v in parts] + [0.0] * (3 - len(parts))
-    if len(parts) == 0 or len(weights) > 3 or weights[0] <= 0 or weights[1] <= 0:
-        raise ValueError(f"data.split must be 'train,valid[,test]' with train > 0 and valid > 0, got {split!r}")
-    train, valid = weights[0] / (weights[0] + weights[1]), weights[1] / (weights[0] + weights[1])
-    from kdexp.data.indexed import read_indexed
-
-    for prefix in blend[0]:
-        n = len(read_indexed(prefix))
-        n_train = int(round(train * n))
-        if n_train < 1 or n - n_train < 1:
-            raise ValueError(f"data.split={split!r} leaves no document of {prefix!r} ({n} documents) for "
-                             f"{'training' if n_train < 1 else 'validation'}; use a larger share or "
-                             f"data.valid_prefixes")
-    return f"{train!r},{valid!r},0"
-
-
-def _indexed_sources(data_cfg, tokenizer_path) -> tuple[Tokenizer, Any, Any, int, dict]:
-    tok_path = _get(data_cfg, "tokenizer", None) or tokenizer_path
-    if tok_path is None:
-        raise ValueError("data.tokenizer (a directory with tokenizer.json) is required for data.name=indexed")
-    tokenizer = Tokenizer.from_dir(tok_path)
-    blend_list = _get(data_cfg, "blend", None)
-    if blend_list is None:
-        blend_list = _get(data_cfg, "prefixes", None)
-        key = "prefixes"
-    else:
-        key = "blend"
-    blend = _blend(key, _prefix_list(key, blend_list))
-    valid = _get(data_cfg, "valid_prefixes", None)
-    info = {"source": "indexed", "tokenizer": str(tok_path), "prefixes": blend[0]}
-    if valid is not None:  # separate validation data: megatron's blend_per_split
-        return tokenizer, None, [blend, _blend("valid_prefixes", _prefix_list("valid_prefixes", valid)), None], \
-            tokenizer.vocab_size, info
-    return tokenizer, blend, None, tokenizer.vocab_size, info
 
 
 # ---------------------------------------------------------------------------------------------------- prepare
@@ -247,17 +103,17 @@ def prepare(data_cfg, *, seq_length: int, cache_dir=None, seed: int = 1234, trai
     _check_positive("seq_length", seq_length)
     _check_positive("train_samples", train_samples)
     _check_positive("val_samples", val_samples, allow_none=True)
-    name = _get(data_cfg, "name", "stdlib")
+    name = data_cfg.name
     root = Path(cache_dir).expanduser() if cache_dir is not None else _cache.cache_dir()
     _check_helpers()
     if name == "stdlib":
-        tokenizer, blend, blend_per_split, vocab, info = _stdlib_sources(data_cfg, root, tokenizer_path)
+        tokenizer, blend, blend_per_split, vocab, info = stdlib_sources(data_cfg, root, tokenizer_path)
         split = None
         data_id = Path(info["tokens"]).name  # itself a hash of corpus, tokenizer and split
     elif name == "indexed":
-        tokenizer, blend, blend_per_split, vocab, info = _indexed_sources(data_cfg, tokenizer_path)
-        split = _train_valid_split(_get(data_cfg, "split", "98,2,0"), blend) if blend is not None else None
-        data_id = [split, [(p, w, _file_id(p)) for b in ([blend] if blend else blend_per_split[:2])
+        tokenizer, blend, blend_per_split, vocab, info = indexed_sources(data_cfg, tokenizer_path)
+        split = train_valid_split(data_cfg.split, blend) if blend is not None else None
+        data_id = [split, [(p, w, file_id(p)) for b in ([blend] if blend else blend_per_split[:2])
                            for p, w in zip(b[0], b[1] or [None] * len(b[0]))]]
     else:
         raise ValueError(f"data.name must be 'stdlib' or 'indexed', got {name!r}")
@@ -282,7 +138,7 @@ def prepare(data_cfg, *, seq_length: int, cache_dir=None, seed: int = 1234, trai
     )
     weighted = any(b is not None and b[1] is not None for b in ([blend] if blend else blend_per_split or []))
     if weighted and val_samples is None:  # megatron cannot size a weighted blend without a sample count
-        raise ValueError("val_samples must be set (not None) when data.blend has weights")
+        raise ValueError("val_samples must be set (not None) when data.prefixes has weights")
     # No test split is used: size 0 keeps megatron's weighted-blend bookkeeping happy.
     sizes = [int(train_samples), None if val_samples is None else int(val_samples), 0]
     builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config)

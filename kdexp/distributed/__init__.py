@@ -16,17 +16,31 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
-import random
-import re
+import importlib
 from typing import Optional
 
-import torch
-import torch.distributed as dist
+from kdexp.distributed.launch import first_slurm_host as _first_slurm_host  # noqa: F401  (tests use the old name)
+from kdexp.distributed.launch import launch_env
 
-from kdexp.distributed import cpu
 
-__all__ = ["DistState", "initialize", "state", "tp_group", "dp_group", "is_rank0", "destroy", "is_initialized", "reseed"]
+class _OnFirstUse:
+    """A module imported when first used. ``import kdexp.distributed.launch`` (the stdlib-only rank lookup that
+    kdexp.track asks in processes that never train) runs this package's __init__ too, which must then not cost
+    torch's ~2 s import; everything below touches torch only inside functions, through these names."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str):
+        return getattr(importlib.import_module(self._name), attr)
+
+
+torch = _OnFirstUse("torch")
+dist = _OnFirstUse("torch.distributed")
+cpu = _OnFirstUse("kdexp.distributed.cpu")
+
+__all__ = ["DistState", "initialize", "state", "tp_group", "dp_group", "is_rank0", "destroy", "is_initialized", "reseed",
+           "barrier", "rank0_decides"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,45 +68,16 @@ def _check_size(name: str, value) -> int:
     return value
 
 
-def _first_slurm_host(nodelist: str) -> str:
-    """First hostname of a SLURM nodelist such as 'gpu[03-05,9],cpu1' -> 'gpu03' (no scontrol needed)."""
-    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
-    if not m:
-        raise ValueError(f"SLURM_JOB_NODELIST: cannot parse {nodelist!r}")
-    prefix, _, ranges = m.groups()
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
-
-
 def _launch_env():
     """(rank, world_size, local_rank, master_addr, master_port, source); master_port None = pick a free one."""
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return (int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0")),
-                env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None,
-                "torchrun")
-    if env.get("SUBMITIT_EXECUTOR"):
-        from submitit.helpers import TorchDistributedEnvironment
-
-        te = TorchDistributedEnvironment()  # reads submitit's JobEnvironment; port derived from the job id
-        return te.rank, te.world_size, te.local_rank, te.master_addr, te.master_port, "submitit"
-    # Plain SLURM only inside an srun step: in the batch script itself SLURM_NTASKS counts tasks that do not run.
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and ("SLURM_STEP_ID" in env or "SLURM_STEPID" in env):
-        world = int(env["SLURM_NTASKS"])
-        port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else None
-        if port is None and world > 1:
-            # Every task must agree on the port without talking: derive it from the job id (as submitit does).
-            port = random.Random(env.get("SLURM_JOB_ID", "0")).randint(20000, 60000)
-        addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
-        return int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", "0")), addr, port, "slurm"
-    return 0, 1, 0, "127.0.0.1", None, "local"
+    launch = launch_env()
+    return (launch.rank, launch.world_size, launch.local_rank, launch.master_addr, launch.master_port,
+            launch.source)
 
 
 def _init_process_group(backend: str) -> tuple[int, int, int, str]:
     if dist.is_initialized():
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        return dist.get_rank(), dist.get_world_size(), local_rank, "existing"
+        return dist.get_rank(), dist.get_world_size(), launch_env().local_rank, "existing"
     rank, world, local_rank, addr, port, source = _launch_env()
     if backend == "nccl":
         # Before the group exists. Modulo: where SLURM binds each task to its own GPU (--gpus-per-task, gpu-bind)
@@ -201,6 +186,24 @@ def is_rank0() -> bool:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank() == 0
     return True
+
+
+def barrier() -> None:
+    """torch.distributed.barrier() when a process group is initialized, else nothing."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def rank0_decides(flag: bool) -> bool:
+    """Global rank 0's view of a file-system fact, for every rank (so that all ranks take the same branch and their
+    collectives stay in step); `flag` itself when not distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return bool(flag)
+    # nccl broadcasts only CUDA tensors: use this rank's device (a bare gloo group without initialize(): the CPU).
+    device = _STATE.device if _STATE is not None else torch.device("cpu")
+    value = torch.tensor([int(bool(flag))], device=device)
+    dist.broadcast(value, src=0)
+    return bool(value.item())
 
 
 def destroy() -> None:

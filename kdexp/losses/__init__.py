@@ -6,24 +6,37 @@ call the same functions:
 - `logits_kd_loss(student_logits, teacher_logits, *, temperature, top_k, top_p, min_k, ghost_token,
   normalization, divergence, tp_group, return_stats, ...)`: per-token KD loss (dense, Top-K, Top-P with a min-K
   floor, ghost token for the residual mass, forward/reverse KL, generalized JSD), vocab-parallel aware.
+- `KDLossOptions`: the loss options (the keywords above, their defaults and value rules), defined once; the config
+  schema subclasses it and `KDLossOptions.from_config(node).kwargs()` turns a config node into the keywords.
 - `AlphaBalancer(alpha)`: total = (1 - alpha) * lm + alpha * kd;  `DynamicBalancer(kd_loss_scale, skip_lm_loss)`:
-  ModelOpt's legacy LogitsAndIntermediatesLossBalancer;  `make_balancer(name, **kwargs)`.
+  ModelOpt's legacy LogitsAndIntermediatesLossBalancer;  `BalancerOptions` (keys, rules, `from_config(node).build()`)
+  and `make_balancer(name, **kwargs)`: the one balancer factory.
 - Hidden-state losses: `cosine_hidden_loss`, `mse_hidden_loss`, `IntermediateLoss` (with a learnable projection when
   hidden sizes differ) and `scale_to_logits_loss` (intermediate rescaled to |logits loss|, no host sync).
 """
 
-from kdexp.losses.balancers import AlphaBalancer, DynamicBalancer, make_balancer
-from kdexp.losses.intermediate import IntermediateLoss, cosine_hidden_loss, mse_hidden_loss, scale_to_logits_loss
-from kdexp.losses.logits import KDStats, logits_kd_loss
+from __future__ import annotations
 
-__all__ = [
-    "logits_kd_loss",
-    "KDStats",
-    "AlphaBalancer",
-    "DynamicBalancer",
-    "make_balancer",
-    "IntermediateLoss",
-    "cosine_hidden_loss",
-    "mse_hidden_loss",
-    "scale_to_logits_loss",
-]
+import importlib
+
+# name -> module. Loaded on first use (PEP 562), so that kdexp.config can import the torch-free option classes
+# without importing torch: a config error or `--cfg job` stays quick.
+_EXPORTS = {
+    "logits_kd_loss": "logits", "KDStats": "logits",
+    "KDLossOptions": "options", "BalancerOptions": "options", "DIVERGENCES": "options", "NORMALIZATIONS": "options",
+    "BALANCERS": "options",
+    "AlphaBalancer": "balancers", "DynamicBalancer": "balancers", "make_balancer": "balancers",
+    "IntermediateLoss": "intermediate", "cosine_hidden_loss": "intermediate", "mse_hidden_loss": "intermediate",
+    "scale_to_logits_loss": "intermediate",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kdexp.losses' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kdexp.losses.{_EXPORTS[name]}"), name)
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

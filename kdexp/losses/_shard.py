@@ -54,6 +54,12 @@ class Shard:
         dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self.group)
         return s.log() + m
 
+    def row_max(self, raw: torch.Tensor, cdtype: torch.dtype) -> torch.Tensor:
+        """Max over the whole (global) vocabulary of each row of a raw [c, V_local] chunk, in cdtype; 0 where a row is
+        all -inf (so that centring on it never makes NaN)."""
+        m = self.all_reduce_(raw.amax(1).to(cdtype), op=dist.ReduceOp.MAX)
+        return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
     def any(self, flag: bool, device: torch.device) -> bool:
         """True on every rank when `flag` is True on any rank (a host sync; used only by the growing Top-P search)."""
         if self.world == 1:
@@ -62,17 +68,16 @@ class Shard:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return bool(t.item())
 
-    def global_topk(self, raw: torch.Tensor, k: int, temperature: float, cdtype: torch.dtype, sort: bool):
-        """Teacher's global top-k of one chunk: (values/T in cdtype, global indices), sorted descending if `sort`.
+    def global_topk(self, raw: torch.Tensor, k: int, cdtype: torch.dtype, sort: bool):
+        """Teacher's global top-k of one chunk: (raw values in cdtype, global indices), sorted descending if `sort`.
 
         Each rank takes its local top-min(k, local_vocab); the union (all_gather of values and global indices) holds the
-        global top-k, which a second topk extracts. topk on the raw logits orders exactly like topk on logits/T (T > 0).
-        The full-vocabulary topk runs unsorted (a quarter cheaper on CPU); only the k winners get sorted.
+        global top-k, which a second topk extracts. The values stay raw (not divided by T): the caller centres them on
+        the row max first. The full-vocabulary topk runs unsorted (a quarter cheaper on CPU); only the k winners get
+        sorted.
         """
         lv, li = torch.topk(raw, min(k, self.local_vocab), dim=-1, sorted=False)
         lv = lv.to(cdtype)
-        if temperature != 1.0:
-            lv = lv / temperature
         if self.world == 1:
             return _sorted(lv, li) if sort else (lv, li)
         li = li + self.offset

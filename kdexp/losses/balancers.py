@@ -12,37 +12,41 @@
                            if kd > 0 and lm > 0: kd = kd * (lm / kd).detach()    # KD rescaled to the LM magnitude
                            total = lm + kd * kd_loss_scale
   The Python `if`s on tensors there are host syncs; here they are torch.where with safe denominators (same values).
+
+The option set is kdexp.losses.options.BalancerOptions (kdexp.config.BalancerConfig subclasses it): its `check` holds
+every value rule (the constructors and config.validate call it; a key the chosen balancer does not read is an error)
+and `BalancerOptions.from_config(node).build()` is the one factory from a config node (`make_balancer` for keywords).
 """
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 
 from kdexp.losses.intermediate import mean_of, scale_to_logits_loss
-
-BALANCERS = ("alpha", "dynamic")
-_REMOVED_KEYS = ("skip_lm_loss", "kd_loss_scale")
-
+from kdexp.losses.options import BALANCER_KEYS, BALANCERS, BalancerOptions
 
 def _parts(**kw) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in kw.items() if v is not None}
+
+
+def _options(name: str, kwargs: dict) -> BalancerOptions:
+    """BalancerOptions for a constructor or make_balancer call: unset keys are None; an unknown keyword is a
+    ValueError naming it."""
+    known = [f.name for f in fields(BalancerOptions) if f.name != "name"]
+    unknown = sorted(set(kwargs) - set(known))
+    if unknown:
+        raise ValueError(f"unknown balancer argument(s) {unknown} for balancer {name!r}; allowed: "
+                         f"{', '.join(BALANCER_KEYS.get(name, known))}")
+    return BalancerOptions(name=name, **{k: kwargs.get(k) for k in known})
 
 
 class AlphaBalancer:
     """total = (1 - alpha) * lm + alpha * kd, alpha in [0, 1]."""
 
     def __init__(self, alpha: float = 0.5, **removed):
-        bad = [k for k in removed if k in _REMOVED_KEYS]
-        if bad:
-            raise ValueError(
-                f"balancer key(s) {bad} were removed from the alpha balancer (they are ModelOpt's dynamic-balancer "
-                "keys): use alpha in [0, 1], total = (1 - alpha) * lm + alpha * kd; skip_lm_loss=True means "
-                "alpha=1.0. To reproduce ModelOpt's legacy scaling use the 'dynamic' balancer."
-            )
-        if removed:
-            raise ValueError(f"unknown AlphaBalancer argument(s) {sorted(removed)}; allowed: alpha")
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+        _options("alpha", dict(alpha=alpha, **removed)).check()  # removed ModelOpt keys get a pointer to alpha
         self.alpha = float(alpha)
 
     @property
@@ -77,10 +81,7 @@ class DynamicBalancer:
     """ModelOpt's LogitsAndIntermediatesLossBalancer (legacy): KD rescaled to the LM loss magnitude."""
 
     def __init__(self, kd_loss_scale: float = 1.0, skip_lm_loss: bool = False):
-        if isinstance(kd_loss_scale, bool) or not isinstance(kd_loss_scale, (int, float)) or not kd_loss_scale > 0:
-            raise ValueError(f"kd_loss_scale must be > 0, got {kd_loss_scale!r}")
-        if not isinstance(skip_lm_loss, bool):
-            raise ValueError(f"skip_lm_loss must be a bool, got {skip_lm_loss!r}")
+        _options("dynamic", dict(kd_loss_scale=kd_loss_scale, skip_lm_loss=skip_lm_loss)).check()
         self.kd_loss_scale = float(kd_loss_scale)
         self.skip_lm_loss = skip_lm_loss
 
@@ -115,13 +116,12 @@ class DynamicBalancer:
         return f"DynamicBalancer(kd_loss_scale={self.kd_loss_scale}, skip_lm_loss={self.skip_lm_loss})"
 
 
+BALANCER_CLASSES = {"alpha": AlphaBalancer, "dynamic": DynamicBalancer}
+
+
 def make_balancer(name: str, **kwargs):
-    """'alpha' -> AlphaBalancer(**kwargs); 'dynamic' -> DynamicBalancer(**kwargs)."""
-    if name == "alpha":
-        return AlphaBalancer(**kwargs)
-    if name == "dynamic":
-        unknown = sorted(set(kwargs) - {"kd_loss_scale", "skip_lm_loss"})
-        if unknown:
-            raise ValueError(f"unknown DynamicBalancer argument(s) {unknown}; allowed: kd_loss_scale, skip_lm_loss")
-        return DynamicBalancer(**kwargs)
-    raise ValueError(f"balancer name must be one of {BALANCERS}, got {name!r}")
+    """make_balancer("alpha", alpha=0.9) / make_balancer("dynamic", kd_loss_scale=1.0, skip_lm_loss=True): the same
+    factory as `BalancerOptions.from_config(node).build()`, from keywords."""
+    if name not in BALANCER_CLASSES:
+        raise ValueError(f"balancer name={name!r} is invalid: must be one of {', '.join(BALANCERS)}")
+    return _options(name, kwargs).build()

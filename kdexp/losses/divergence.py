@@ -22,8 +22,6 @@ import math
 
 import torch
 
-DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
-
 
 def bucket_divergence(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor, divergence: str, beta: float):
     """Per-token divergence over buckets and dL/db. a, b: [c, B] log-probs; valid: [c, B] bool. Invalid buckets

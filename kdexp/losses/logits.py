@@ -38,22 +38,23 @@ from typing import NamedTuple
 import torch
 
 from kdexp.losses._shard import Shard
-from kdexp.losses.divergence import DIVERGENCES, bucket_divergence, dense_backward_, dense_forward_
-
-NORMALIZATIONS = ("full", "renormalize")
+from kdexp.losses.divergence import bucket_divergence, dense_backward_, dense_forward_
+from kdexp.losses.options import KDLossOptions
 # Top-P without a Top-K bound starts from this many candidates and grows x4 until the nucleus fits.
 TOP_P_INITIAL_K = 1024
 _MiB = 1 << 20
 
 
 class KDStats(NamedTuple):
-    """Per-token diagnostics (shape of the loss, no gradient). ghost_mass = teacher residual 1 - kept mass, computed
-    directly (accurate even when it is tiny)."""
+    """Per-token diagnostics (shape of the loss, no gradient). kept mass = a distribution's mass in the kept set S;
+    residual mass = its mass outside S (what the ghost bucket holds), computed directly, so accurate even when it is
+    tiny (not as 1 - kept mass). The trainer logs student_residual_mass as train/ghost_mass."""
 
     teacher_kept_mass: torch.Tensor
     student_kept_mass: torch.Tensor
     nucleus_size: torch.Tensor
-    ghost_mass: torch.Tensor
+    teacher_residual_mass: torch.Tensor
+    student_residual_mass: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ def _check_int(name, value):
         raise ValueError(f"{name} must be an int, got {value!r}")
 
 
-def _validate(student, teacher, temperature, top_k, top_p, min_k, ghost_token, normalization, divergence, beta):
+def _check_tensors(student, teacher):
     if not isinstance(student, torch.Tensor) or not isinstance(teacher, torch.Tensor):
         raise ValueError("student_logits and teacher_logits must be tensors")
     if student.dim() < 1:
@@ -92,32 +93,6 @@ def _validate(student, teacher, temperature, top_k, top_p, min_k, ghost_token, n
         )
     if not (student.is_floating_point() and teacher.is_floating_point()):
         raise ValueError(f"logits must be floating point, got {student.dtype} and {teacher.dtype}")
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature!r}")
-    if not math.isfinite(temperature):
-        raise ValueError(f"temperature must be finite, got {temperature!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1] or None, got {top_p!r}")
-    if top_k is not None:
-        _check_int("top_k", top_k)
-        if top_k < 1:
-            raise ValueError(f"top_k must be in [1, vocabulary size] or None, got {top_k}")
-    _check_int("min_k", min_k)
-    if min_k < 1:
-        raise ValueError(f"min_k must be >= 1 (and <= top_k), got {min_k}")
-    if top_k is not None and min_k > top_k:
-        raise ValueError(f"min_k must be in [1, top_k={top_k}], got {min_k}")
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
-    if divergence not in DIVERGENCES:
-        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
-    if normalization == "renormalize" and ghost_token:
-        raise ValueError(
-            "ghost_token=True cannot be combined with normalization='renormalize' (the re-normalised kept set has "
-            "no residual mass); pass ghost_token=False or normalization='full'"
-        )
-    if divergence == "jsd" and not (isinstance(beta, (int, float)) and 0 < beta < 1):
-        raise ValueError(f"beta must be in (0, 1) for divergence='jsd', got {beta!r}")
 
 
 def logits_kd_loss(
@@ -149,18 +124,17 @@ def logits_kd_loss(
     multiply by T^2 (Hinton et al.); off by default. chunk_tokens: tokens per chunk (default: a working set of at
     most ~1/16 of one fp32 [tokens, vocab] tensor, between 4 and 64 MiB). return_stats=True returns (loss, KDStats).
     """
-    _validate(student_logits, teacher_logits, temperature, top_k, top_p, min_k, ghost_token, normalization,
-              divergence, beta)
+    _check_tensors(student_logits, teacher_logits)
+    opts = KDLossOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_k=min_k, ghost_token=ghost_token,
+                         normalization=normalization, divergence=divergence, beta=beta,
+                         scale_by_temperature_squared=scale_by_temperature_squared).check()
     if chunk_tokens is not None:
         _check_int("chunk_tokens", chunk_tokens)
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1 or None, got {chunk_tokens}")
     local_vocab = student_logits.shape[-1]
     shard = Shard.make(local_vocab, tp_group, student_logits.device)
-    if top_k is not None and top_k > shard.vocab:
-        raise ValueError(f"top_k must be in [1, vocabulary size={shard.vocab}], got {top_k}")
-    if min_k > shard.vocab:
-        raise ValueError(f"min_k must be in [1, vocabulary size={shard.vocab}], got {min_k}")
+    opts.check_vocabulary(shard.vocab)
     if top_p is not None and float(top_p) == 1.0:
         top_p = None  # cumsum(p) - p < 1 keeps everything in exact arithmetic; float rounding must not drop the tail
     if top_p is None:
@@ -193,10 +167,22 @@ def _chunk_rows(n: int, shard: Shard, cdtype: torch.dtype, chunk_tokens: int | N
     return max(1, min(n, budget // row))
 
 
-def _load_(buf: torch.Tensor, raw: torch.Tensor, temperature: float) -> torch.Tensor:
-    """buf[:, :V] = raw / T in the compute dtype; an extra last column, if any, is a scratch slot at -inf."""
+def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    return x if temperature == 1.0 else x / temperature
+
+
+def _load_(buf: torch.Tensor, raw: torch.Tensor, temperature: float, centre: torch.Tensor | None) -> torch.Tensor:
+    """buf[:, :V] = (raw - centre) / T in the compute dtype; an extra last column, if any, is a scratch slot at -inf.
+
+    Why centre (on the row max) before dividing: log-probs formed as x - logsumexp(x) carry an absolute error of about
+    one ulp of max|x| (3e-5 for logits around 256 in float32), which near convergence is the size of the loss itself
+    and can make it negative. Centred, the entries that carry the mass are O(1), and raw - centre is exact for them
+    (Sterbenz), so the error drops to about one ulp of 1. centre=None: raw / T unchanged (only where that is exact)."""
     v = raw.shape[1]
-    buf[:, :v].copy_(raw)
+    if centre is None:
+        buf[:, :v].copy_(raw)
+    else:
+        torch.sub(raw, centre[:, None], out=buf[:, :v])  # one pass, cast to the compute dtype before subtracting
     if temperature != 1.0:
         buf[:, :v].div_(temperature)
     if buf.shape[1] > v:
@@ -204,19 +190,18 @@ def _load_(buf: torch.Tensor, raw: torch.Tensor, temperature: float) -> torch.Te
     return buf
 
 
-def _dense_chunks(student: torch.Tensor, teacher: torch.Tensor, rows: int, temperature: float, cd: torch.dtype):
-    """(rows slice, teacher chunk / T, student chunk / T) in two reused compute-dtype buffers (forward and backward)."""
+def _dense_chunks(student: torch.Tensor, teacher: torch.Tensor, rows: int, temperature: float, cd: torch.dtype,
+                  centres: torch.Tensor | None):
+    """(rows slice, teacher chunk, student chunk) as (raw - centre) / T in two reused compute-dtype buffers (forward
+    and backward); centres: [2, n] (teacher, student) row maxima, or None."""
     n, vl = student.shape
     bt = torch.empty(rows, vl, dtype=cd, device=student.device)
     bs = torch.empty_like(bt)
     for r0 in range(0, n, rows):
         r = slice(r0, min(n, r0 + rows))
         c = r.stop - r.start
-        yield r, _load_(bt[:c], teacher[r], temperature), _load_(bs[:c], student[r], temperature)
-
-
-def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
+        ct, cs = (None, None) if centres is None else (centres[0, r], centres[1, r])
+        yield r, _load_(bt[:c], teacher[r], temperature, ct), _load_(bs[:c], student[r], temperature, cs)
 
 
 # Fused row kernels: one pass over the chunk instead of max/sub/exp/sum passes. On CPU they run in place (ATen's
@@ -257,9 +242,14 @@ class _LogitsKD(torch.autograd.Function):
         st = {f: torch.empty(n, dtype=cd, device=dev) for f in KDStats._fields} if stats is not None else None
         ctx.cfg, ctx.shard, ctx.rows, ctx.dense, ctx.cd = cfg, shard, rows, dense, cd
         if dense:
+            # log_softmax centres each row itself, exactly when nothing was divided before it; a division by T or the
+            # local-to-global log-sum-exp shift under TP (a difference of two values ~max|x|) needs the centring.
+            centres = None
+            if cfg.temperature != 1.0 or shard.world > 1:
+                centres = torch.stack([shard.row_max(teacher, cd), shard.row_max(student, cd)])
             shift = torch.zeros(2, n, dtype=cd, device=dev)  # local minus global log-sum-exp (0 without TP)
             aux = torch.empty(n, dtype=cd, device=dev)
-            for r, xt, xs in _dense_chunks(student, teacher, rows, cfg.temperature, cd):
+            for r, xt, xs in _dense_chunks(student, teacher, rows, cfg.temperature, cd, centres):
                 if shard.world == 1:
                     a, b = _log_softmax_(xt), _log_softmax_(xs)
                 else:
@@ -271,12 +261,13 @@ class _LogitsKD(torch.autograd.Function):
                 part = shard.all_reduce_(dense_forward_(a, b, cfg.divergence, cfg.beta))
                 loss[r], aux[r] = part[:, 0], part[:, 1]
             ctx.save_for_backward(student, teacher)
-            ctx.shift, ctx.aux, ctx.raw_loss = shift, aux, loss.clone()
+            ctx.shift, ctx.aux, ctx.raw_loss, ctx.centres = shift, aux, loss.clone(), centres
             if st is not None:
                 st["teacher_kept_mass"].fill_(1.0)
                 st["student_kept_mass"].fill_(1.0)
                 st["nucleus_size"].fill_(shard.vocab)
-                st["ghost_mass"].zero_()
+                st["teacher_residual_mass"].zero_()
+                st["student_residual_mass"].zero_()
         else:
             buf = torch.empty(rows, vl + 1, dtype=cd, device=dev)
             chunks = []
@@ -285,7 +276,7 @@ class _LogitsKD(torch.autograd.Function):
                 out = _sparse_forward_chunk(student[r], teacher[r], buf[: r.stop - r.start], cfg, shard, cd,
                                             st is not None)
                 loss[r] = out["loss"]
-                chunks.append((r, out["gidx"], out["keep"], out["cand_grad"], out["coef"]))
+                chunks.append((r, out["gidx"], out["keep"], out["cand_grad"], out["coef"], out["centre"]))
                 if st is not None:
                     for f in KDStats._fields:
                         st[f][r] = out[f]
@@ -293,6 +284,12 @@ class _LogitsKD(torch.autograd.Function):
             ctx.chunks = chunks
         if st is not None:
             stats.update({f: (v.long() if f == "nucleus_size" else v) for f, v in st.items()})
+        if dense or cfg.ghost or cfg.renormalize:
+            # Between two proper distributions every divergence here is >= 0; float32 rounding of the log-probs
+            # (~1e-7 absolute) can land a near-converged value just below. Clamping the value moves it towards the
+            # exact one; the gradient (computed in backward from the unclamped terms) is unchanged. Without the ghost
+            # bucket the kept sub-distributions can give a negative value in exact arithmetic: left as it is.
+            loss.clamp_min_(0.0)
         if cfg.loss_scale != 1.0:
             loss.mul_(cfg.loss_scale)
         return loss if cd == torch.float64 else loss.float()
@@ -307,7 +304,7 @@ class _LogitsKD(torch.autograd.Function):
         scale = grad_out.reshape(-1).to(cd) * (cfg.loss_scale / cfg.temperature)
         if ctx.dense:
             teacher = ctx.saved_tensors[1]
-            for r, xt, xs in _dense_chunks(student, teacher, rows, cfg.temperature, cd):
+            for r, xt, xs in _dense_chunks(student, teacher, rows, cfg.temperature, cd, ctx.centres):
                 if cfg.divergence == "forward_kl":  # q - p straight from the fused softmax
                     p, q = _softmax_(xt), _softmax_(xs)
                     if shard.world > 1:
@@ -323,14 +320,14 @@ class _LogitsKD(torch.autograd.Function):
                 torch.mul(g, scale[r, None], out=grad[r])
             return grad, None, None, None, None
         buf = torch.empty(rows, vl + 1, dtype=cd, device=dev)
-        for r, gidx, keep, cand_grad, coef in ctx.chunks:
+        for r, gidx, keep, cand_grad, coef, centre in ctx.chunks:
             c = r.stop - r.start
             lidx, _ = shard.local_index(gidx, keep)
             sc = scale[r, None]
             if coef is None:  # renormalize: the loss depends on the kept logits only
                 x = buf[:c].zero_()
             else:
-                x = _load_(buf[:c], student[r], cfg.temperature).scatter_(1, lidx, -math.inf)
+                x = _load_(buf[:c], student[r], cfg.temperature, centre).scatter_(1, lidx, -math.inf)
                 # softmax over this rank's entries outside S = exp(s - lse_loc); coef[1] = exp(lse_loc - lse_notS).
                 # Rows whose local entries are all in S come out NaN and are overwritten whole by the scatter.
                 x = _softmax_(x).mul_(coef[0][:, None] * sc)
@@ -349,13 +346,15 @@ def _sparse_forward_chunk(student, teacher, buf, cfg: _Cfg, shard: Shard, cd, wa
     need_s = not cfg.renormalize or want_stats
     k = cfg.top_k if cfg.top_k is not None else min(shard.vocab, max(cfg.min_k, TOP_P_INITIAL_K))
     while True:
-        vals, gidx = shard.global_topk(teacher, k, cfg.temperature, cd, sort=cfg.top_p is not None)
+        vals, gidx = shard.global_topk(teacher, k, cd, sort=cfg.top_p is not None)
+        m_t = vals.amax(1)  # the teacher's global row max: its top-1 is in every global top-k
+        vals = _scaled(vals - m_t[:, None], cfg.temperature)
         keep = torch.ones_like(vals, dtype=torch.bool)
         if not need_t:
             a = vals  # unnormalised: only differences within S matter below
             break
         lidx, _ = shard.local_index(gidx)
-        lc_t = _lse_(_load_(buf, teacher, cfg.temperature).scatter_(1, lidx, -math.inf), shard)[0]
+        lc_t = _lse_(_load_(buf, teacher, cfg.temperature, m_t).scatter_(1, lidx, -math.inf), shard)[0]
         lse_t = torch.logsumexp(torch.cat([lc_t[:, None], vals], 1), 1)  # non-candidates + candidates
         a = vals - lse_t[:, None]
         if cfg.top_p is None:
@@ -375,15 +374,17 @@ def _sparse_forward_chunk(student, teacher, buf, cfg: _Cfg, shard: Shard, cd, wa
         kk = int(keep.sum(1).max())
         vals, gidx, a, keep = vals[:, :kk], gidx[:, :kk], a[:, :kk], keep[:, :kk]
 
-    # Student: kept logits gathered from the owning ranks (zeros elsewhere, then SUM), log-sum-exp outside S.
+    # Student: kept logits gathered from the owning ranks (zeros elsewhere, then SUM: exact), centred on the row max
+    # (global, all ranks), log-sum-exp outside S. Renormalised without stats only differences within S matter, so
+    # the max over S centres them without a pass over the vocabulary.
     lidx, owned = shard.local_index(gidx, keep)
     sv = student.gather(1, lidx.clamp_max(vl - 1)).to(cd)
-    if cfg.temperature != 1.0:
-        sv = sv / cfg.temperature
-    sv = torch.where(keep, shard.all_reduce_(torch.where(owned, sv, torch.zeros_like(sv))), neg_inf)
+    sv = shard.all_reduce_(torch.where(owned, sv, torch.zeros_like(sv)))
+    m_s = shard.row_max(student, cd) if need_s else torch.where(keep, sv, neg_inf).amax(1)
+    sv = torch.where(keep, _scaled(sv - m_s[:, None], cfg.temperature), neg_inf)
     a_kept = torch.where(keep, a, neg_inf)
     if need_s:
-        lns, lns_loc, _ = _lse_(_load_(buf, student, cfg.temperature).scatter_(1, lidx, -math.inf), shard)
+        lns, lns_loc, _ = _lse_(_load_(buf, student, cfg.temperature, m_s).scatter_(1, lidx, -math.inf), shard)
         lse_s = torch.logsumexp(torch.cat([lns[:, None], sv], 1), 1)
         b = sv - lse_s[:, None]
         lr_s = lns - lse_s
@@ -410,8 +411,9 @@ def _sparse_forward_chunk(student, teacher, buf, cfg: _Cfg, shard: Shard, cd, wa
         # Outside S: dL/ds_i = exp(s_i - lse_notS) (h - G r_s) = softmax_loc(s)_i * exp(lse_loc - lse_notS) (h - G r_s)
         coef = (torch.where(torch.isfinite(lns), (h - gsum * lr_s.exp()) * (lns_loc - lns).exp(),
                             torch.zeros_like(lns)),)
-    out = {"loss": loss, "gidx": gidx, "keep": keep, "cand_grad": cand_grad, "coef": coef}
+    out = {"loss": loss, "gidx": gidx, "keep": keep, "cand_grad": cand_grad, "coef": coef, "centre": m_s}
     if want_stats:
         out.update(teacher_kept_mass=torch.logsumexp(a_kept, 1).exp(), student_kept_mass=torch.logsumexp(b, 1).exp(),
-                   nucleus_size=keep.sum(1).to(cd), ghost_mass=lr_t.exp())
+                   nucleus_size=keep.sum(1).to(cd), teacher_residual_mass=lr_t.exp(),
+                   student_residual_mass=lr_s.exp())
     return out

@@ -46,7 +46,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             sweep = load_wandb_group(args.wandb_group, project=args.wandb_project, entity=args.wandb_entity)
         else:
-            from kdexp.report.load import load_sweep
+            from kdexp.report.rundirs import load_sweep
 
             sweep = load_sweep(args.sweep_dir)
     except ValueError as exc:
@@ -62,8 +62,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for line in best_lines(best_points(sweep)):
         print("best " + line)
     for p in sweep.points:
-        if p.status == "failed":
-            print(f"failed {p.name}: {p.error}")
+        if p.status in ("failed", "diverged"):
+            print(f"{p.status} {p.name}: {p.error}")
     print(f"report: {files.markdown}\nhtml:   {files.html}\nplots:  {len(files.plots)} PNG in {files.out_dir}")
     return 0
 

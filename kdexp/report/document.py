@@ -1,7 +1,7 @@
 """The report files: report.md and index.html (same sections, same tables) next to the PNG plots.
 
 Sections: counts and what is swept, the best point per metric, the arms side by side (when the config names arms),
-every point, the failed points with their errors, then the plots.
+every point, the failed and diverged points with their errors, then the plots.
 """
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from kdexp.report.load import Sweep
+from kdexp.report.model import Sweep
 from kdexp.report.plots import write_plots
+from kdexp.track.records import ENDED_BADLY
 from kdexp.report.tables import (Table, arms_table, best_lines, best_points, points_table, summary_line, to_html,
                                  to_markdown)
 
@@ -52,6 +53,11 @@ def _sections(sweep: Sweep) -> tuple[list[str], Optional[Table], Table]:
     return intro, arms_table(sweep), points_table(sweep)
 
 
+def _failed_title(points) -> str:
+    kinds = [k for k in ("failed", "diverged") if any(p.status == k for p in points)]
+    return " and ".join(kinds).capitalize() + " points"
+
+
 def _rel(path: Path, out_dir: Path) -> str:
     return Path(os.path.relpath(path, out_dir)).as_posix()
 
@@ -64,9 +70,9 @@ def render_markdown(sweep: Sweep, plots: dict[str, Path], out_dir: Path) -> str:
     if arms is not None:
         md += [f"## {arms.title}", "", to_markdown(arms), ""]
     md += ["## Points", "", to_markdown(table), ""]
-    failed = [p for p in sweep.points if p.status == "failed"]
+    failed = [p for p in sweep.points if p.status in ENDED_BADLY]
     if failed:
-        md += ["## Failed points", ""]
+        md += [f"## {_failed_title(failed)}", ""]
         for p in failed:
             md += [f"### {p.name}", "", f"{p.label}: `{p.error}`", ""]
             if p.traceback:
@@ -82,7 +88,7 @@ _CSS = """body{font-family:sans-serif;margin:2em;max-width:1400px}
 table.kdexp{border-collapse:collapse;margin:1em 0;font-size:0.9em}
 table.kdexp th,table.kdexp td{border:1px solid #bbb;padding:3px 8px;text-align:right}
 table.kdexp th{background:#eee}table.kdexp td:first-child{text-align:left}
-tr.failed td{background:#fde2e2}tr.running td{background:#fff6d5}tr.pending td{color:#888}
+tr.failed td,tr.diverged td{background:#fde2e2}tr.running td{background:#fff6d5}tr.pending td{color:#888}
 pre{background:#f6f6f6;padding:0.6em;overflow-x:auto;font-size:0.85em}img{max-width:100%}"""
 
 
@@ -97,9 +103,9 @@ def render_html(sweep: Sweep, plots: dict[str, Path], out_dir: Path) -> str:
     if arms is not None:
         body += [f"<h2>{e(arms.title)}</h2>", to_html(arms)]
     body += ["<h2>Points</h2>", to_html(table)]
-    failed = [p for p in sweep.points if p.status == "failed"]
+    failed = [p for p in sweep.points if p.status in ENDED_BADLY]
     if failed:
-        body.append("<h2>Failed points</h2>")
+        body.append(f"<h2>{_failed_title(failed)}</h2>")
         for p in failed:
             body += [f"<h3>{e(p.name)}</h3>", f"<p>{e(p.label)}: <code>{e(p.error or '')}</code></p>"]
             if p.traceback:

@@ -12,11 +12,11 @@ from typing import Any, Optional
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from kdexp.report.load import Point, Sweep, _short, iter_values
+from kdexp.report.model import Point, Sweep, aggregate, iter_values, short
 from kdexp.report.tables import TABLE_METRICS
 
 CURVE_METRICS = ("train/loss", "val/lm_loss", "val/kl_to_teacher", "val/top1_agreement")
-_STYLE = {"finished": "-", "running": "--", "failed": ":", "pending": ":"}
+_STYLE = {"finished": "-", "running": "--", "failed": ":", "diverged": ":", "pending": ":"}
 
 
 def _figure(n_panels: int, width: float = 4.6, height: float = 3.4) -> tuple[Figure, list]:
@@ -76,16 +76,18 @@ def _combos(sweep: Sweep, points: list[Point], key: str) -> dict[str, list[Point
     others = [k for k in sweep.swept if k != key]
     groups: dict[str, list[Point]] = {}
     for p in points:
-        label = ", ".join(f"{k}={_short(p.params.get(k))}" for k in others) or "all points"
+        label = ", ".join(f"{k}={short(p.params.get(k))}" for k in others) or "all points"
         groups.setdefault(label, []).append(p)
     return groups
 
 
 def _mean_by(points: list[Point], key: str, metric: str) -> dict[Any, float]:
-    sums: dict[Any, list[float]] = {}
-    for p, v in iter_values(points, metric):
-        sums.setdefault(p.params.get(key), []).append(v)
-    return {x: sum(v) / len(v) for x, v in sums.items()}
+    """The mean per value of ``key`` (NaN when a replicate is non-finite: a gap in the line, not a dropped run)."""
+    groups: dict[Any, list[Point]] = {}
+    for p in points:
+        groups.setdefault(p.params.get(key), []).append(p)
+    means = {x: aggregate(members, metric).mean for x, members in groups.items()}
+    return {x: m for x, m in means.items() if m is not None}
 
 
 def plot_metric_vs_param(sweep: Sweep, key: str, path: str | Path,
@@ -117,7 +119,7 @@ def plot_metric_vs_param(sweep: Sweep, key: str, path: str | Path,
             if min(xs) > 0 and max(xs) / min(xs) >= 100:  # lr-like sweeps span decades
                 ax.set_xscale("log")
         else:
-            names = [_short(c) for c in categories]
+            names = [short(c) for c in categories]
             long = max(len(n) for n in names) > 10
             ax.set_xticks(range(len(categories)), names, rotation=20 if long else 0, ha="right" if long else "center",
                           rotation_mode="anchor")
@@ -139,9 +141,9 @@ def plot_arms(sweep: Sweep, path: str | Path, metrics: tuple[str, ...] = TABLE_M
     fig, axes = _figure(len(metrics))
     for ax, metric in zip(axes, metrics):
         for i, arm in enumerate(arms):
-            values = [v for _, v in iter_values([p for p in finished if p.arm == arm], metric)]
-            if values:
-                ax.bar(i, sum(values) / len(values), color=f"C{i % 10}")
+            mean = aggregate([p for p in finished if p.arm == arm], metric).mean
+            if mean is not None:  # NaN (a non-finite replicate) draws no bar; the arms table says why
+                ax.bar(i, mean, color=f"C{i % 10}")
         ax.set_xticks(range(len(arms)), arms)
         ax.set_title(metric)
         ax.grid(alpha=0.3, axis="y")

@@ -1,7 +1,9 @@
 """Tables of a sweep (every point; the arms side by side), the best point per metric, and their Markdown/HTML.
 
 A ``Table`` keeps the raw values (what tests and notebooks compute with) next to the text shown, so the Markdown
-file, the HTML page and the notebook print the same numbers.
+file, the HTML page and the notebook print the same numbers. "—" is a missing value; a non-finite one is shown as
+"NaN", "Infinity" or "-Infinity" (as records stores it), and an arm's mean over replicates with a non-finite value is
+NaN with the count ("NaN (1 of 2 non-finite)"), never the mean of the rest.
 """
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from kdexp.report.load import _MISSING, Point, Sweep, _short, config_differences, iter_values, parse_scalar
+from kdexp.report.model import MISSING, Point, Sweep, aggregate, iter_values, short
+from kdexp.report.params import config_differences
+from kdexp.track.records import parse_scalar
 
 # The per-point table's metric columns, in order.
 TABLE_METRICS = ("val/lm_loss", "val/kl_to_teacher", "val/top1_agreement", "train/kept_mass", "perf/tokens_per_s")
@@ -34,15 +38,15 @@ def goal(metric: str) -> Optional[str]:
 
 
 def fmt(value: Any) -> str:
-    """Numbers the same everywhere: ints as is, |x| >= 100 with one decimal, else four."""
-    if value is None or value is _MISSING:
+    """Numbers the same everywhere: ints as is, |x| >= 100 with one decimal, else four; NaN as NaN ("—" = missing)."""
+    if value is None or value is MISSING:
         return "—"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
     if isinstance(value, int):
         return str(value)
     if not math.isfinite(value):
-        return str(value)
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
     return f"{value:.1f}" if abs(value) >= 100 else f"{value:.4f}"
 
 
@@ -94,20 +98,20 @@ def best_lines(best: dict[str, Best]) -> list[str]:
 def swept_text(point: Point, key: str) -> str:
     """The swept value as typed, with the resolved value when it reads differently ('1e-3' stays; '${x}' shows
     what it resolved to; a point that did not set the key shows its default)."""
-    raw = point.overrides.get(key, _MISSING)
+    raw = point.overrides.get(key, MISSING)
     resolved = point.params.get(key)
-    if raw is _MISSING:
+    if raw is MISSING:
         return f"{fmt(resolved)} (default)" if resolved is not None else "—"
     if raw is None:
         return "(deleted)"
-    return raw if parse_scalar(raw) == resolved else f"{raw} (= {_short(resolved)})"
+    return raw if parse_scalar(raw) == resolved else f"{raw} (= {short(resolved)})"
 
 
 def _status_text(p: Point, metrics: tuple[str, ...]) -> str:
     if p.status == "finished" and p.reused_from:
         return "finished (reused)"
     if p.status != "finished" and p.final_partial and any(p.final.get(m) is not None for m in metrics):
-        return f"{p.status} (last logged values)"
+        return f"{p.status} (last {'finite' if p.status == 'diverged' else 'logged'} values)"
     return p.status
 
 
@@ -128,20 +132,23 @@ def points_table(sweep: Sweep, metrics: tuple[str, ...] = TABLE_METRICS) -> Tabl
     return table
 
 
-def _mean(values: list[float]) -> Optional[float]:
-    return sum(values) / len(values) if values else None
+def _mean_text(agg) -> str:
+    return fmt(agg.mean) + (f" ({agg.nonfinite} of {agg.n} non-finite)" if agg.nonfinite else "")
 
 
 def arms_table(sweep: Sweep, metrics: tuple[str, ...] = TABLE_METRICS) -> Optional[Table]:
     """The arms side by side: one column per arm; rows = points, the config keys the arms set differently, then each
-    metric averaged over the arm's finished points with its change against the first arm. None without arms."""
+    metric averaged over the arm's finished points with its change against the first arm (NaN with the count when
+    a replicate is non-finite). None without arms."""
     arms = sweep.arms
     if not arms:
         return None
     members = {a: [p for p in sweep.points if p.arm == a] for a in arms}
     columns = [sweep.arm_key or "arm", *arms]
     rows: list[list[Any]] = [["points", *[len(members[a]) for a in arms]],
-                             ["finished", *[sum(p.status == "finished" for p in members[a]) for a in arms]]]
+                             *([status, *[sum(p.status == status for p in members[a]) for a in arms]]
+                               for status in ("finished", "diverged", "failed")
+                               if status == "finished" or any(p.status == status for p in sweep.points))]
     text = [[r[0], *[str(v) for v in r[1:]]] for r in rows]
     # What the arm changes: config keys that differ between arms, read from each arm's first point with a config.
     reps = [next((p for p in members[a] if p.config), None) for a in arms]
@@ -151,19 +158,19 @@ def arms_table(sweep: Sweep, metrics: tuple[str, ...] = TABLE_METRICS) -> Option
             text.append([key, *[fmt(v) for v in values]])
     bold = set()
     for metric in metrics:
-        means = [_mean([v for _, v in iter_values([p for p in members[a] if p.status == "finished"], metric)])
-                 for a in arms]
+        aggs = [aggregate([p for p in members[a] if p.status == "finished"], metric) for a in arms]
+        means = [g.mean for g in aggs]
         if all(m is None for m in means):
             continue
         ref = means[0]
         cells = []
-        for i, m in enumerate(means):
-            cell = fmt(m)
-            if i > 0 and m is not None and ref not in (None, 0):
+        for i, (m, g) in enumerate(zip(means, aggs)):
+            cell = _mean_text(g)
+            if i > 0 and m is not None and ref not in (None, 0) and math.isfinite(m) and math.isfinite(ref):
                 cell += f" ({100.0 * (m - ref) / abs(ref):+.1f}%)"
             cells.append(cell)
         direction = goal(metric)
-        present = [(i, m) for i, m in enumerate(means) if m is not None]
+        present = [(i, m) for i, m in enumerate(means) if m is not None and math.isfinite(m)]
         if direction and len(present) > 1:
             pick = min if direction == "min" else max
             bold.add((len(rows), 1 + pick(present, key=lambda im: im[1])[0]))
@@ -202,7 +209,7 @@ def to_html(table: Table, css_class: str = "kdexp") -> str:
 
 def summary_line(sweep: Sweep) -> str:
     c = sweep.counts()
-    parts = [f"{c[s]} {s}" for s in ("finished", "failed", "running", "pending") if c[s]]
+    parts = [f"{c[s]} {s}" for s in ("finished", "failed", "diverged", "running", "pending") if c[s]]
     return f"{len(sweep.points)} point{'s' if len(sweep.points) != 1 else ''}: " + ", ".join(parts)
 
 

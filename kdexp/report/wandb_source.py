@@ -4,7 +4,8 @@
       run.config    -> Point.config (the resolved config kdexp logs); swept keys = config keys that differ
       run.summary   -> Point.final
       run.history() -> Point.curves (rows keyed by _step, NaN where a metric was not logged at that step)
-      run.state     -> Point.status (finished / running / failed for failed, crashed, killed)
+      run.state     -> Point.status (finished / running / failed for failed, crashed, killed; diverged when the
+                       summary has kdexp's diverged_step)
 kdexp names a sweep's run by its swept overrides ('balancer.alpha=0.5,loss=topk'); when the name parses as
 overrides (or the config carries an ``overrides`` list) those are the point's overrides, as for a run dir.
 """
@@ -14,7 +15,9 @@ import math
 import re
 from typing import Any, Iterable, Optional
 
-from kdexp.report.load import Point, Sweep, build_sweep, parse_overrides
+from kdexp.report.model import Point, Sweep
+from kdexp.report.params import build_sweep
+from kdexp.track.records import parse_overrides
 
 _STATES = {"finished": "finished", "running": "running", "pending": "pending", "preempting": "running",
            "preempted": "failed", "failed": "failed", "crashed": "failed", "killed": "failed"}
@@ -88,11 +91,15 @@ def point_from_run(run: Any) -> Point:
     curves = curves_from_history(_history_rows(run))
     state = str(getattr(run, "state", "") or "").lower()
     status = _STATES.get(state, "running")
+    if _number(summary.get("diverged_step")) is not None:  # kdexp.train.point logs it when a run diverges
+        status = "diverged"
     final = {k: v[-1][1] for k, v in curves.items() if v}
     final.update({k: n for k, v in summary.items() if not k.startswith("_") and (n := _number(v)) is not None})
     error = None
     if status == "failed":
         error = str(summary.get("error") or f"W&B run state: {state}")
+    elif status == "diverged":
+        error = f"diverged at step {int(summary['diverged_step'])}"
     steps = summary.get("_step")
     return Point(name=getattr(run, "name", None) or getattr(run, "id", "run"), run_dir=None,
                  overrides=_overrides(run, _as_dict(getattr(run, "config", None))), config=config, final=final,

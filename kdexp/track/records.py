@@ -1,4 +1,6 @@
-"""The run and sweep record formats: file names, statuses, strict JSON, metrics lines, error logs. Stdlib only.
+"""The run and sweep record formats: file names, statuses, strict JSON, metrics lines, error logs, overrides.
+
+Stdlib only (no Hydra, no torch), so a report can read a sweep copied onto a laptop without the training stack.
 
 kdexp.track writes these files and kdexp.report reads them, both through this module, so the format is defined once.
 
@@ -15,7 +17,7 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 # file names inside a run (or sweep point) directory, and the sweep directory's index
 SUMMARY = "summary.json"  # written last and atomically: the run ended (status finished, reused or diverged)
@@ -29,6 +31,11 @@ ERROR_LOG = "error.log"
 # gradient norm stopped it (its last finite checkpoint is kept)
 STATUSES = ("pending", "running", "finished", "reused", "failed", "diverged")
 ENDED_WELL = ("finished", "reused")
+ENDED_BADLY = ("failed", "diverged")  # a sweep with such a point exits with status 1
+
+# Directories inside a run dir that never hold another run (Hydra's files, submitit logs, checkpoints, W&B): whoever
+# walks a sweep for its points does not descend into them.
+RUN_INTERNALS = frozenset({".hydra", ".submitit", "checkpoints", "wandb", "__pycache__"})
 
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 
@@ -92,15 +99,95 @@ def read_json(path: str | os.PathLike) -> Optional[Any]:
         return None
 
 
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """The objects of a JSON-lines file (metrics.jsonl), decoded; a line cut by a kill (or not an object) is skipped,
+    a missing file is empty."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+    out = []
+    for line in lines:
+        try:
+            record = loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+def ended_status(summary: Optional[dict]) -> Optional[str]:
+    """How the run whose summary.json this is ended: finished, reused (a finished earlier point's summary), diverged
+    or failed; None without a summary (the run has not ended, or it died without one)."""
+    if summary is None:
+        return None
+    status = summary.get("status", "finished")  # summaries written before statuses existed were all finished
+    if status == "finished" and summary.get("reused_from"):
+        return "reused"
+    return status if status in STATUSES else "failed"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# overrides as Hydra records them (.hydra/overrides.yaml, point.json, summary.json)
+def override_key(override: str) -> str:
+    """'loss.top_p=0.9' -> 'loss.top_p'; '+a.b=1' -> 'a.b'; '~x' -> 'x'; 'loss@x=topk' -> 'loss@x'."""
+    return str(override).split("=", 1)[0].lstrip("+~")
+
+
+def is_hydra_key(key: str) -> bool:
+    """hydra.* keys and hydra/ groups: how a run was launched, not what it ran."""
+    return key == "hydra" or key.startswith(("hydra.", "hydra/"))
+
+
+def parse_overrides(lines: Iterable[str]) -> dict[str, Optional[str]]:
+    """['+a.b=1', 'loss=top_p', 'hydra.sweep.dir=x', '~c'] -> {'a.b': '1', 'loss': 'top_p', 'c': None}."""
+    out: dict[str, Optional[str]] = {}
+    for line in lines:
+        key = override_key(line)
+        if is_hydra_key(key):
+            continue
+        _, sep, value = str(line).partition("=")
+        # Hydra writes an interpolation typed as ${a} into overrides.yaml as $\{a\}: show it as typed.
+        out[key] = value.replace("\\{", "{").replace("\\}", "}") if sep else None
+    return out
+
+
+def parse_scalar(text: Optional[str]) -> Any:
+    """An override value as Hydra types it: int, float, bool, null, else the string (quotes removed)."""
+    if text is None:
+        return None
+    t = text.strip()
+    low = t.lower()
+    if low in ("null", "none", "~"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(t)
+        except ValueError:
+            pass
+    if len(t) >= 2 and t[0] == t[-1] and t[0] in "'\"":
+        return t[1:-1]
+    return t
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S")
 
 
-def write_error(run_dir: str | os.PathLike, what: str, error_text: str) -> None:
-    """The error of a run or point: error.log (replaced) and appended to run.log, with time and host."""
+def write_error(run_dir: str | os.PathLike, what: str, error_text: str, replace: bool = True) -> bool:
+    """The error of a run or point: error.log and appended to run.log, with time and host. With replace=False an
+    error.log already there (the run wrote its own, with more context) is kept and nothing is written. Returns
+    whether it wrote."""
     run_dir = Path(run_dir)
+    if not replace and (run_dir / ERROR_LOG).is_file():
+        return False
     run_dir.mkdir(parents=True, exist_ok=True)
     head = f"[{now()}] {what} on {socket.gethostname()}\n"
     (run_dir / ERROR_LOG).write_text(head + error_text)
     with open(run_dir / RUN_LOG, "a") as f:
         f.write(head + error_text + ("" if error_text.endswith("\n") else "\n"))
+    return True

@@ -1,8 +1,11 @@
-"""Run directories: one agreed name per launch, the finished-point index, and atomic JSON writes.
+"""Run and sweep directories: one agreed name per launch, where a sweep's dir is, and the finished-point index.
 
 ``kdexp_stamp`` is the OmegaConf resolver behind ``hydra.run.dir`` and ``hydra.sweep.dir``: a date, a time and a short
 random id, so two runs (or sweeps) started in the same second never share a directory. Under torchrun every rank runs
 Hydra, so ``agree_on_stamp()`` lets rank 0 choose the stamp and hands it to the others before Hydra starts.
+
+``kdexp_uid`` is a short random id, the same for every interpolation in one process and, through Hydra's resolver
+cache, in every job of one sweep (a sweep dir that names no time at all still never collides).
 """
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from kdexp.track.records import read_json, write_json  # noqa: F401  (callers import them from here for now)
+from kdexp.distributed.launch import launch_env
+from kdexp.track.records import read_json, write_json
 
 _STAMP_KEY = "KDEXP_RUN_STAMP"
 _stamp_value: Optional[str] = None
@@ -34,17 +38,45 @@ if not OmegaConf.has_resolver("kdexp_stamp"):
     OmegaConf.register_new_resolver("kdexp_stamp", _stamp)
 
 
+_UID: Optional[str] = None
+
+
+def sweep_uid() -> str:
+    """A 6-hex-digit random id, drawn once per process so every interpolation in this process agrees."""
+    global _UID
+    if _UID is None:
+        _UID = uuid.uuid4().hex[:6]
+    return _UID
+
+
+# use_cache=True stores the value in the config's resolver cache; Hydra copies the submitting process's cache into
+# every job's config (ConfigLoaderImpl.load_sweep_config -> OmegaConf.copy_cache) and pickles it to submitit workers,
+# so a SLURM task (or a requeued one) resolves the same sweep dir as the process that submitted it.
+if not OmegaConf.has_resolver("kdexp_uid"):
+    OmegaConf.register_new_resolver("kdexp_uid", sweep_uid, use_cache=True)
+
+
+def sweep_dir(hydra_cfg) -> Path:
+    """Absolute sweep dir. A relative hydra.sweep.dir is relative to the directory Hydra was started in
+    (hydra.runtime.cwd), not to the job's cwd (which hydra.job.chdir may have moved)."""
+    path = Path(str(hydra_cfg.sweep.dir))
+    if not path.is_absolute():
+        cwd = OmegaConf.select(hydra_cfg, "runtime.cwd") if OmegaConf.is_config(hydra_cfg) else None
+        path = Path(cwd or os.getcwd()) / path
+    return path.resolve()
+
+
 def agree_on_stamp() -> None:
     """Under torchrun, make every rank use rank 0's stamp and keep Hydra's files and logs to rank 0."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launch = launch_env()
     global _stamp_value
-    if world <= 1 or "TORCHELASTIC_RUN_ID" not in os.environ:
+    if launch.world_size <= 1 or launch.source != "torchrun" or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
     from datetime import timedelta
 
     from torch.distributed import PrefixStore, TCPStore
 
-    rank = int(os.environ["RANK"])
+    rank, world = launch.rank, launch.world_size
     # torchrun's agent hosts a TCPStore on MASTER_PORT for the whole job (TORCHELASTIC_USE_AGENT_STORE): every rank
     # joins it as a client, before Hydra and before kdexp.distributed creates the process group.
     store = PrefixStore(f"kdexp/{os.environ['TORCHELASTIC_RUN_ID']}/", TCPStore(

@@ -8,9 +8,12 @@ Writing: every TP rank writes ``tp<r>.pt`` through a temp file + fsync + os.repl
 A run killed at any moment therefore leaves either a complete step or a file without a manifest (never trusted).
 
 Reading: candidates are ``latest`` and then every older step dir, newest first (all step dirs when ``latest`` is
-missing or garbage, with a warning). Every rank verifies and loads its own file; the ranks agree on the first
-candidate that is intact on all of them, so a torn or corrupt latest falls back to the previous intact step with a
-warning that names the bad file, and under TP no two ranks load different steps. Never a silent restart from 0.
+missing or garbage, with a warning). A step dir without any manifest that ``latest`` does not name is a save killed
+before it committed anything and is ignored (so a run killed in its first save starts over instead of failing
+forever). Every rank verifies and loads its own file; the ranks agree on the first candidate that is intact on all
+of them, so a torn or corrupt latest falls back to the previous intact step with a warning that names the bad file,
+and under TP no two ranks load different steps. Never a silent restart from 0: a ``latest`` pointer with no step
+left on disk, or only corrupt steps, is an error that names the files.
 
 Rotation keeps the step just written and the newest ``keep - 1`` complete steps before it; step dirs after it are
 from an abandoned timeline (another config, or a corrupt step this run fell back from) and are removed.
@@ -28,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from kdexp import distributed
-from kdexp.data.cache import barrier
+from kdexp.distributed import barrier
 from kdexp.track import records
 
 log = logging.getLogger("kdexp")
@@ -64,13 +67,22 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _atomic_torch_save(obj: Any, path: Path) -> None:
+def _atomic_write(path: Path, write) -> None:
+    """write(f) into a temp file beside `path`, fsync, os.replace; a failed write leaves neither file behind."""
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    _atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def _manifest(path: Path) -> Path:
@@ -138,9 +150,7 @@ def save(ckpt_dir: Path, step: int, state: dict[str, Any], *, keep: int = 2) -> 
         write_file(target / f"tp{st.tp_rank}.pt", state, step)
     barrier()
     if st.rank == 0:
-        tmp = ckpt_dir / ".latest.tmp"
-        tmp.write_text(f"{step}\n")
-        os.replace(tmp, ckpt_dir / "latest")
+        _atomic_write(ckpt_dir / "latest", lambda f: f.write(f"{step}\n".encode()))
         older = [s for s in steps_on_disk(ckpt_dir) if s < step and _complete(ckpt_dir, s, st.tp_size)]
         kept = {step, *(older[-(keep - 1):] if keep > 1 else [])}
         for s in steps_on_disk(ckpt_dir):
@@ -149,23 +159,38 @@ def save(ckpt_dir: Path, step: int, state: dict[str, Any], *, keep: int = 2) -> 
     barrier()
 
 
-def _candidates(ckpt_dir: Path) -> list[int]:
-    on_disk = steps_on_disk(ckpt_dir)
+def _committed(ckpt_dir: Path, step: int) -> bool:
+    """Some rank's manifest is there: the step's save got past writing a file (an interrupted save has none)."""
+    return any(step_dir(ckpt_dir, step).glob("tp*.json"))
+
+
+def _candidates(ckpt_dir: Path) -> tuple[list[int], Optional[str]]:
+    """(steps to try, newest first; an error that stops the resume). Rank 0 decides, the others are told."""
     pointer = Path(ckpt_dir) / "latest"
     latest = latest_step(ckpt_dir)
+    on_disk = steps_on_disk(ckpt_dir)
+    # A step dir without any manifest that `latest` does not name is a save killed before its first file was
+    # committed (only a temp file, or a file without its commit mark): nothing there was ever a checkpoint.
+    interrupted = [s for s in on_disk if s != latest and not _committed(ckpt_dir, s)]
+    if interrupted:
+        log.warning("ignoring %s: their save never completed (no manifest)",
+                    ", ".join(str(step_dir(ckpt_dir, s)) for s in interrupted))
+    on_disk = [s for s in on_disk if s not in interrupted]
     if latest is not None and latest in on_disk:
-        return [latest, *sorted((s for s in on_disk if s < latest), reverse=True)]
+        return [latest, *sorted((s for s in on_disk if s < latest), reverse=True)], None
+    if pointer.exists():
+        try:
+            shown = pointer.read_text(errors="replace").strip()[:40]
+        except OSError as exc:
+            shown = f"<unreadable: {exc}>"
+        what = f"{pointer} holds {shown!r}, not a step on disk"
+    else:
+        what = f"{pointer} is missing"
     if on_disk:
-        if pointer.exists():
-            try:
-                shown = pointer.read_text(errors="replace").strip()[:40]
-            except OSError as exc:
-                shown = f"<unreadable: {exc}>"
-            what = f"{pointer} holds {shown!r}, not a step on disk"
-        else:
-            what = f"{pointer} is missing"
         log.warning("%s: falling back to the newest intact step dir of %s", what, on_disk)
-    return sorted(on_disk, reverse=True)
+    elif pointer.exists():  # a checkpoint was committed here once and is gone: starting over would hide it
+        return [], (f"{what}, and no checkpoint step is left in {ckpt_dir}; remove the directory to start over")
+    return sorted(on_disk, reverse=True), None
 
 
 def _load_local(path: Path) -> tuple[Optional[dict], Optional[str]]:
@@ -187,7 +212,9 @@ def load(ckpt_dir: Path, *, config_hash: Optional[str] = None) -> Optional[dict[
     """
     st = distributed.state()
     ckpt_dir = Path(ckpt_dir)
-    candidates = _from_rank0(_candidates(ckpt_dir) if st.rank == 0 else None)
+    candidates, error = _from_rank0(_candidates(ckpt_dir) if st.rank == 0 else None)
+    if error is not None:  # every rank raises (rank 0 alone would leave the others waiting in a collective)
+        raise RuntimeError(error)
     bad: list[str] = []
     for n, step in enumerate(candidates):
         state, reason = _load_local(step_dir(ckpt_dir, step) / f"tp{st.tp_rank}.pt")

@@ -18,11 +18,10 @@ import torch
 
 from kdexp import distributed, models
 from kdexp.data import batches, prepare
-from kdexp.losses import make_balancer
 from kdexp.track.metrics import IntervalMeter, MetricsFile, Progress, console_line, eval_line
 from kdexp.train import checkpoint, objectives, optim
 from kdexp.train.step import NonFiniteGuard, apply_update, evaluate, optimizer_tensors, train_step
-from kdexp.train.teacher import DTYPES, get_teacher
+from kdexp.train.teacher import get_teacher
 
 log = logging.getLogger("kdexp")
 
@@ -36,16 +35,8 @@ def add_step_end_hook(hook: Callable[[int], None]) -> Callable[[int], None]:
     return hook
 
 
-def balancer_from(cfg):
-    b = cfg.balancer
-    if b.name == "alpha":
-        return make_balancer("alpha", alpha=b.alpha)
-    kwargs = {k: getattr(b, k) for k in ("kd_loss_scale", "skip_lm_loss") if getattr(b, k) is not None}
-    return make_balancer("dynamic", **kwargs)
-
-
 def build_student(cfg, vocab_size: int) -> torch.nn.Module:
-    dtype = DTYPES[cfg.model.params_dtype]
+    dtype = models.DTYPES[cfg.model.params_dtype]
     if cfg.model.student_path is not None:
         return models.load_hf(cfg.model.student_path, params_dtype=dtype)
     name = cfg.model.student
@@ -76,7 +67,8 @@ def setup(cfg) -> Setup:
     student = build_student(cfg, data.vocab_size)
     student.train()
     opt = optim.make_optimizer(student, lr=t.lr, weight_decay=t.weight_decay)
-    return Setup(data=data, teacher=teacher, student=student, optimizer=opt, balancer=balancer_from(cfg))
+    balancer = objectives.build_balancer(cfg.balancer)
+    return Setup(data=data, teacher=teacher, student=student, optimizer=opt, balancer=balancer)
 
 
 def _final(last_train: dict, last_eval: dict) -> dict:

@@ -1,4 +1,7 @@
-"""Per-batch objectives on vocab-parallel logits: LM cross-entropy, the KD loss, and eval metrics.
+"""Per-batch objectives on vocab-parallel logits: LM cross-entropy, the KD loss, the balancer, and eval metrics.
+
+The loss and the balancer are built from their config nodes here, each through its one factory in kdexp.losses
+(`KDLossOptions.from_config(...).kwargs()`, `BalancerOptions.from_config(...).build()`).
 
 Every function takes this rank's vocabulary shard ([b, s, V/tp]) and returns values that are equal on every TP rank.
 """
@@ -9,7 +12,7 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel
 
 from kdexp import distributed
-from kdexp.losses import logits_kd_loss
+from kdexp.losses import BalancerOptions, KDLossOptions, logits_kd_loss
 
 
 def batch_to(batch: dict, device) -> dict:
@@ -29,22 +32,20 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor)
     return masked_mean(tensor_parallel.vocab_parallel_cross_entropy(x, labels), loss_mask)
 
 
-def kd_loss_kwargs(loss_cfg) -> dict:
-    return dict(temperature=loss_cfg.temperature, top_k=loss_cfg.top_k, top_p=loss_cfg.top_p, min_k=loss_cfg.min_k,
-                ghost_token=loss_cfg.ghost_token, normalization=loss_cfg.normalization,
-                divergence=loss_cfg.divergence, beta=loss_cfg.jsd_beta,
-                scale_by_temperature_squared=loss_cfg.temperature_squared)
+def build_balancer(balancer_cfg):
+    """The balancer a config's `balancer` node describes (its value rules checked first)."""
+    return BalancerOptions.from_config(balancer_cfg).build()
 
 
 def kd_loss(student: torch.Tensor, teacher: torch.Tensor, loss_mask: torch.Tensor, loss_cfg):
-    """Masked-mean KD loss and the masked-mean stats (teacher kept mass, student residual mass, nucleus size)."""
+    """Masked-mean KD loss and its masked-mean stats, logged as train/kept_mass (the teacher's mass in the kept set),
+    train/ghost_mass (the student's mass outside it: its ghost bucket) and train/nucleus_size."""
     per_token, stats = logits_kd_loss(student, teacher, tp_group=distributed.tp_group(), return_stats=True,
-                                      **kd_loss_kwargs(loss_cfg))
+                                      **KDLossOptions.from_config(loss_cfg).kwargs())
     loss = masked_mean(per_token, loss_mask)
-    # kept_mass: the teacher's mass in the kept set; ghost_mass: the student's mass in the ghost bucket (outside it)
     return loss, {
         "kept_mass": masked_mean(stats.teacher_kept_mass, loss_mask),
-        "ghost_mass": masked_mean(1.0 - stats.student_kept_mass, loss_mask),
+        "ghost_mass": masked_mean(stats.student_residual_mass, loss_mask),
         "nucleus_size": masked_mean(stats.nucleus_size.float(), loss_mask),
     }
 

@@ -94,11 +94,12 @@ class NonFiniteGuard:
         self.limit = limit
         self.skipped = skipped
 
-    def _stop(self, step: int, what: str, metrics: Optional[dict], checkpoint: Optional[int]) -> Diverged:
+    def _stop(self, step: int, what: str, metrics: Optional[dict], checkpoint: Optional[int], *,
+              stopped: str) -> Diverged:
         kept = f"last finite checkpoint: step {checkpoint}" if checkpoint is not None else "no checkpoint was saved"
         skipped = (f"; {self.skipped} non-finite step(s) skipped before (trainer.skip_nonfinite={self.limit})"
                    if self.limit else "; trainer.skip_nonfinite=N skips up to N such steps")
-        return Diverged(f"diverged at step {step}: {what}; stopped before the weights changed ({kept}){skipped}",
+        return Diverged(f"diverged at step {step}: {what}; {stopped} ({kept}){skipped}",
                         step=step, metrics=metrics, skipped=self.skipped, checkpoint=checkpoint)
 
     def check_step(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, *,
@@ -111,7 +112,7 @@ class NonFiniteGuard:
         what = (f"non-finite {' and '.join(bad)} ({', '.join(f'{k}={v:.6g}' for k, v in values.items())})" if bad
                 else "a non-finite train/loss or train/grad_norm on another rank")
         if self.skipped >= self.limit:
-            raise self._stop(step, what, metrics, checkpoint)
+            raise self._stop(step, what, metrics, checkpoint, stopped="stopped before the weights changed")
         self.skipped += 1
         if distributed.is_rank0():
             log.warning("step %d: %s; skipped (%d/%d of trainer.skip_nonfinite)", step, what, self.skipped,
@@ -123,13 +124,15 @@ class NonFiniteGuard:
         """Eval metrics: a non-finite one means the weights themselves went bad (nothing to skip)."""
         bad = {k: v for k, v in values.items() if not math.isfinite(v)}
         if bad:
-            raise self._stop(step, f"non-finite {what} {bad}", metrics, checkpoint)
+            raise self._stop(step, f"non-finite {what} {bad}", metrics, checkpoint,
+                             stopped="stopped after this step's update, before its checkpoint")
 
     def check_state(self, step: int, tensors: Iterable[torch.Tensor], *, metrics: Optional[dict] = None,
                     checkpoint: Optional[int] = None) -> None:
         """Before a checkpoint: non-finite weights or optimizer state are never saved."""
         if not state_finite(tensors):
-            raise self._stop(step, "non-finite weights or optimizer state (not saved)", metrics, checkpoint)
+            raise self._stop(step, "non-finite weights or optimizer state", metrics, checkpoint,
+                             stopped="stopped before saving them")
 
 
 def apply_update(opt: torch.optim.Optimizer, apply: bool) -> None:

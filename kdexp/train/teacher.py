@@ -2,7 +2,9 @@
 
 No pretrained weights exist offline for the tiny Qwen3 shapes, so the first embedded run trains the teacher with the
 LM loss (logged as its own stage), saves it as a Hugging Face checkpoint in the cache directory, keyed by what made it,
-and every later run (any TP size) loads it back through ``load_hf`` like a real teacher.
+and every later run (any TP size) loads it back through ``load_hf`` like a real teacher. The cached copy carries a
+sha256 manifest (kdexp.data.cache): a truncated or garbled file is named in a warning and the teacher is pretrained
+again; a lock makes concurrent jobs on a cold cache pretrain it once.
 """
 from __future__ import annotations
 
@@ -12,16 +14,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from kdexp import distributed, models
 from kdexp.data import batches
-from kdexp.data.cache import barrier, cached_path
+from kdexp.data import cache as data_cache
 from kdexp.train import objectives, optim
 
 log = logging.getLogger("kdexp")
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def freeze(model: torch.nn.Module) -> torch.nn.Module:
@@ -40,7 +39,7 @@ def pretrained_teacher_dir(cfg, data) -> Path:
         "seq_length": cfg.trainer.seq_length, "micro_batch_size": cfg.trainer.micro_batch_size,
         "dp_size": st.dp_size, "seed": cfg.trainer.seed, "params_dtype": cfg.model.params_dtype,
     }
-    return cached_path("teacher", key, root=cfg.paths.cache)
+    return data_cache.cached_path("teacher", key, root=cfg.paths.cache)
 
 
 def pretrain(model: torch.nn.Module, data, cfg) -> None:
@@ -73,29 +72,29 @@ def pretrain(model: torch.nn.Module, data, cfg) -> None:
             running.zero_()
 
 
-def _rank0_decides(flag: bool) -> bool:
-    """Rank 0's view of a file-system fact, for every rank (so collectives stay in step)."""
-    if not dist.is_initialized():
-        return flag
-    value = torch.tensor([int(flag)], device=distributed.state().device)
-    dist.broadcast(value, src=0)
-    return bool(value.item())
-
-
 def get_teacher(cfg, data) -> torch.nn.Module:
-    dtype = DTYPES[cfg.model.params_dtype]
+    """The frozen teacher: model.teacher_path's checkpoint, else the embedded teacher from the cache (pretrained here
+    first when the cache has no intact copy). Call it on every rank."""
+    dtype = models.DTYPES[cfg.model.params_dtype]
     if cfg.model.teacher_path is not None:
         return freeze(models.load_hf(cfg.model.teacher_path, params_dtype=dtype))
     path = pretrained_teacher_dir(cfg, data)
-    if not _rank0_decides((path / "config.json").exists()):  # rank 0 decides: all ranks train or none
-        st = distributed.state()
-        if st.rank == 0:
-            log.info("stage teacher: pretraining the embedded teacher %s for %d steps (once; cached in %s)",
-                     cfg.model.teacher, cfg.model.teacher_pretrain_steps, path)
-        spec = models.get_spec(cfg.model.teacher, vocab_size=data.vocab_size)
-        model = models.build(spec, params_dtype=dtype)
-        pretrain(model, data, cfg)
-        models.save_hf(model, path, spec)
-        del model
-    barrier()
+    writer = distributed.is_rank0()
+    # Global rank 0 holds the cache lock around check-train-save, so parallel jobs on a cold cache pretrain once;
+    # the other ranks of this job wait for rank 0's decision (a broadcast), so all of them train or none does.
+    with data_cache.exclusive(path, enabled=writer):
+        if not distributed.rank0_decides(data_cache.check(path) if writer else True):
+            if writer:
+                log.info("stage teacher: pretraining the embedded teacher %s for %d steps (once; cached in %s)",
+                         cfg.model.teacher, cfg.model.teacher_pretrain_steps, path)
+            # Its init from the seed alone: a rebuild (cold cache, corrupt copy) gives the same weights whatever ran first.
+            distributed.reseed(cfg.trainer.seed)
+            spec = models.get_spec(cfg.model.teacher, vocab_size=data.vocab_size)
+            model = models.build(spec, params_dtype=dtype)
+            pretrain(model, data, cfg)
+            models.save_hf(model, path, spec)  # collective; rank 0 writes atomically
+            del model
+            if writer:  # last: until the manifest exists the directory counts as unfinished and is rebuilt
+                data_cache.write_manifest(path)
+    distributed.barrier()
     return freeze(models.load_hf(path, params_dtype=dtype))

@@ -1,0 +1,118 @@
+"""SweepCallback: the Hydra callback (``hydra.callbacks``) that keeps a multirun's point.json and sweep.json current.
+
+  - on_multirun_start (the submitting process): plans the points (basic sweeper), writes sweep.json with every point
+    ``pending`` and prints the count, the sweep dir and the report command;
+  - on_job_start / on_job_end (the job's process: basic launcher in-process, submitit on the worker; only global
+    rank 0 writes): point.json ``running`` then ``finished`` / ``reused`` / ``failed`` / ``diverged``, sweep.json
+    rebuilt from all point.json files, and a progress line;
+  - on_multirun_end (the submitting process): the final sweep.json, a summary line, and exit status 1 when a point
+    failed or diverged (``fail_exit``).
+
+A point that raised is "diverged" when its summary.json says so (kdexp.train.point writes it when a non-finite loss
+or gradient norm stopped the run), else "failed". How Hydra handles a failing job, and why this acts in on_job_end:
+kdexp.track.hydra_adapter.
+"""
+from __future__ import annotations
+
+import socket
+import sys
+import traceback
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from kdexp.distributed.launch import global_rank
+from kdexp.track import records
+from kdexp.track.hydra_adapter import is_multirun, job_exception, job_value, keep_going_past, plan_points
+from kdexp.track.naming import run_name, sweep_keys
+from kdexp.track.points import (end_lines, progress_line, rebuild_sweep, record_failure, record_point,
+                                report_command, set_aside_error_log, slurm_job_id)
+from kdexp.track.rundir import sweep_dir as hydra_sweep_dir
+
+
+class SweepCallback(Callback):
+    """Hydra callback keeping sweep.json current; see the module docstring.
+
+    keep_going: a failing point is recorded and the sweep goes on (else Hydra stops after the batch).
+    fail_exit: at the end of a multirun with failed or diverged points, exit with status 1 (after sweep.json is
+    written).
+    """
+
+    def __init__(self, keep_going: bool = True, fail_exit: bool = True) -> None:
+        self.keep_going = keep_going
+        self.fail_exit = fail_exit
+
+    # submitting process -------------------------------------------------------------------------------------------
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if global_rank() != 0:  # e.g. a multirun started under torchrun: every rank runs Hydra
+            return
+        sweep_dir = hydra_sweep_dir(config.hydra)
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        planned = plan_points(config.hydra)
+        if planned is not None:
+            keys = sweep_keys(planned)
+            points = [{"num": i, "overrides": o, "name": run_name(o, keys), "run_dir": None, "status": "pending",
+                       "metrics": {}, "error": None} for i, o in enumerate(planned)]
+            records.write_json(sweep_dir / records.SWEEP,
+                               {"sweep_dir": str(sweep_dir), "total": len(points), "points": points})
+        rebuild_sweep(sweep_dir)
+        n = f"{len(planned)} points" if planned is not None else "an unknown number of points"
+        print(f"[sweep] {n} -> {sweep_dir}\n[sweep] report: {report_command(sweep_dir)}"
+              f" (progress in {sweep_dir / records.SWEEP})", flush=True)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if global_rank() != 0:
+            return
+        sweep = rebuild_sweep(hydra_sweep_dir(config.hydra))
+        print("\n".join(end_lines(sweep)), flush=True)
+        if self.fail_exit and any(sweep["counts"][s] for s in records.ENDED_BADLY):
+            raise SystemExit(1)  # not an Exception: Hydra's callback wrapper would turn that into a warning
+
+    # job process ----------------------------------------------------------------------------------------------------
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if not is_multirun(config.hydra) or global_rank() != 0:
+            return
+        run_dir = Path(config.hydra.runtime.output_dir)
+        previous = records.read_json(run_dir / records.POINT) or {}
+        # A point.json already there means SLURM requeued this point (timeout/preemption) into the same run dir.
+        attempt = int(previous.get("attempt", 0)) + 1
+        if attempt > 1:
+            set_aside_error_log(run_dir, attempt)
+        record_point(run_dir, "running", metrics={}, attempt=attempt, started=records.now(),
+                     host=socket.gethostname(), slurm_job_id=slurm_job_id())
+        rebuild_sweep(hydra_sweep_dir(config.hydra))
+
+    def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
+        if not is_multirun(config.hydra):
+            return
+        exc = job_exception(job_return)
+        if exc is not None:  # every rank: the traceback goes to this task's log (submitit keeps one per task)
+            sys.stderr.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        point = self._record_end(config, job_return, exc) if global_rank() == 0 else None
+        if exc is not None and self.keep_going:
+            status = (point or {}).get("status", "failed")
+            keep_going_past(job_return, {"status": status, "error": f"{type(exc).__name__}: {exc}"})
+
+    def _record_end(self, config: DictConfig, job_return: Any, exc: Optional[BaseException]) -> Optional[dict]:
+        run_dir = Path(config.hydra.runtime.output_dir)
+        previous = records.read_json(run_dir / records.POINT) or {}
+        if exc is not None:
+            point = record_failure(run_dir, exc)
+        elif previous.get("status") in records.ENDED_BADLY:
+            point = previous  # the task caught its exception and recorded it itself: keep that record
+        else:
+            summary = records.read_json(run_dir / records.SUMMARY)
+            if summary is not None:
+                status = records.ended_status(summary)
+                metrics = summary.get("final") or {}
+            else:
+                value = job_value(job_return)
+                status = "finished"
+                metrics = {k: v for k, v in value.items() if isinstance(v, (int, float)) and not isinstance(v, bool)} \
+                    if isinstance(value, Mapping) else {}
+            point = record_point(run_dir, status, metrics=metrics, ended=records.now(),
+                                 error=summary.get("error") if status in records.ENDED_BADLY else None)
+        print(progress_line(rebuild_sweep(hydra_sweep_dir(config.hydra))), flush=True)
+        return point

@@ -1,0 +1,246 @@
+"""kdexp.train.checkpoint: atomic save, the ``latest`` pointer, sha256 manifests, rotation, fallback to the newest
+intact step (with a warning naming the bad file), clear errors instead of a silent restart, config-hash refusal.
+
+Unit tests run save/load in this process (a one-process gloo group); one subprocess test truncates the latest
+checkpoint of a real smoke run and resumes it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kdexp.distributed as kd
+from kdexp.train import checkpoint as ck
+
+_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_EXECUTOR",
+                "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID", "SLURM_STEPID")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def lone_process():
+    saved = {v: os.environ.pop(v) for v in _LAUNCH_VARS if v in os.environ}
+    if kd.is_initialized():
+        kd.destroy()
+    kd.initialize(seed=1)
+    yield
+    kd.destroy()
+    os.environ.update(saved)
+
+
+@pytest.fixture
+def caplog_kdexp(caplog):
+    caplog.set_level(logging.INFO, logger="kdexp")
+    return caplog
+
+
+def state(step: int, config_hash: str = "abc") -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"w": torch.randn(4, 3, generator=g)}, "step": step, "config_hash": config_hash}
+
+
+def save_steps(ckpt, steps, **kw):
+    for s in steps:
+        ck.save(ckpt, s, state(s), **kw)
+
+
+def test_save_writes_the_file_its_manifest_and_latest(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    ck.save(ckpt, 3, state(3))
+    f = ckpt / "step_3" / "tp0.pt"
+    manifest = json.loads((ckpt / "step_3" / "tp0.json").read_text())
+    assert manifest == {"file": "tp0.pt", "bytes": f.stat().st_size, "step": 3,
+                        "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+    assert (ckpt / "latest").read_text() == "3\n"
+    assert sorted(p.name for p in ckpt.rglob("*")) == ["latest", "step_3", "tp0.json", "tp0.pt"]  # no temp files
+    loaded = ck.load(ckpt, config_hash="abc")
+    assert loaded["step"] == 3 and torch.equal(loaded["model"]["w"], state(3)["model"]["w"])
+
+
+def test_rotation_keeps_the_newest_steps_and_drops_an_abandoned_timeline(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    save_steps(ckpt, [1, 2, 3, 4])
+    assert ck.steps_on_disk(ckpt) == [3, 4]
+    save_steps(ckpt, [5, 6], keep=3)
+    assert ck.steps_on_disk(ckpt) == [4, 5, 6]
+    ck.save(ckpt, 2, state(2))  # a run that fell back: steps after the one written belong to no timeline now
+    assert ck.steps_on_disk(ckpt) == [2] and ck.latest_step(ckpt) == 2
+    with pytest.raises(ValueError, match="keep=0"):
+        ck.save(ckpt, 3, state(3), keep=0)
+
+
+def test_a_crash_while_writing_leaves_no_partial_file_and_the_previous_step_loads(tmp_path, monkeypatch,
+                                                                                caplog_kdexp):
+    ckpt = tmp_path / "checkpoints"
+    save_steps(ckpt, [3])
+    real_save = torch.save
+
+    def crash_midway(obj, f, *a, **k):
+        f.write(b"\x80half a pickle")  # some bytes reach the temp file, then the process dies
+        raise KeyboardInterrupt("killed mid-save")
+
+    monkeypatch.setattr(torch, "save", crash_midway)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save(ckpt, 6, state(6))
+    monkeypatch.setattr(torch, "save", real_save)
+    assert list((ckpt / "step_6").iterdir()) == []  # neither tp0.pt nor its temp file
+    assert ck.latest_step(ckpt) == 3
+    assert ck.load(ckpt)["step"] == 3
+    assert "step_6: their save never completed" in caplog_kdexp.text
+
+
+def test_a_file_without_its_manifest_is_never_trusted(tmp_path, monkeypatch):
+    ckpt = tmp_path / "checkpoints"
+    save_steps(ckpt, [3])
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt("killed between the file and its manifest")
+
+    monkeypatch.setattr(ck.records, "write_json", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save(ckpt, 6, state(6))
+    monkeypatch.undo()
+    assert (ckpt / "step_6" / "tp0.pt").is_file() and not (ckpt / "step_6" / "tp0.json").exists()
+    assert "no readable checksum manifest" in ck.verify(ckpt / "step_6" / "tp0.pt")
+    assert ck.load(ckpt)["step"] == 3
+
+
+def test_an_interrupted_first_save_starts_over_instead_of_failing_forever(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    (ckpt / "step_3").mkdir(parents=True)
+    (ckpt / "step_3" / ".tp0.pt.tmp").write_bytes(b"\x80torn")  # SIGKILL during the very first save
+    assert ck.load(ckpt) is None
+
+
+def test_verify_names_the_file_and_what_is_wrong(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    save_steps(ckpt, [3])
+    f = ckpt / "step_3" / "tp0.pt"
+    assert ck.verify(f) is None
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one bit flipped
+    f.write_bytes(bytes(data))
+    assert ck.verify(f).startswith(f"{f} fails its checksum (sha256 ")
+    f.write_bytes(bytes(data[:100]))
+    assert ck.verify(f) == f"{f} is 100 bytes, its manifest says {len(data)} (truncated or overwritten)"
+    f.unlink()
+    assert ck.verify(f) == f"{f} is missing"
+
+
+def test_a_truncated_latest_falls_back_to_the_previous_intact_step_with_a_warning(tmp_path, caplog_kdexp):
+    ckpt = tmp_path / "checkpoints"
+    save_steps(ckpt, [3, 6])
+    bad = ckpt / "step_6" / "tp0.pt"
+    bad.write_bytes(bad.read_bytes()[:-7])
+    loaded = ck.load(ckpt, config_hash="abc")
+    assert loaded["step"] == 3 and torch.equal(loaded["model"]["w"], state(3)["model"]["w"])
+    assert f"checkpoint step 6 is not intact: {bad} is " in caplog_kdexp.text
+    assert "trying step 3" in caplog_kdexp.text and "resuming from the intact step 3 instead" in caplog_kdexp.text
+
+
+def test_a_checksummed_file_that_does_not_unpickle_is_skipped_too(tmp_path, caplog_kdexp):
+    ckpt = tmp_path / "checkpoints"
+    save_steps(ckpt, [3, 6])
+    bad = ckpt / "step_6" / "tp0.pt"
+    bad.write_bytes(b"not a torch file")  # and a manifest that matches it: written so, e.g. by a foreign tool
+    ck.records.write_json(bad.with_suffix(".json"), {"file": "tp0.pt", "bytes": bad.stat().st_size,
+                                                     "sha256": ck.sha256_file(bad), "step": 6})
+    assert ck.load(ckpt)["step"] == 3
+    assert f"{bad} does not load: " in caplog_kdexp.text
+
+
+def test_a_step_dir_holding_another_step_is_rejected(tmp_path, caplog_kdexp):
+    ckpt = tmp_path / "checkpoints"
+    save_steps(ckpt, [3, 6])
+    for name in ("tp0.pt", "tp0.json"):  # step_6 overwritten with step 3's files
+        (ckpt / "step_6" / name).write_bytes((ckpt / "step_3" / name).read_bytes())
+    assert ck.load(ckpt)["step"] == 3
+    assert "tp0.pt holds step 3" in caplog_kdexp.text
+
+
+@pytest.mark.parametrize("pointer", [b"garbage\n", b"\xff\xfe\x00", b"99\n", None])
+def test_a_garbage_or_missing_latest_falls_back_to_the_newest_step_dir(tmp_path, caplog_kdexp, pointer):
+    ckpt = tmp_path / "checkpoints"
+    save_steps(ckpt, [3, 6])
+    if pointer is None:
+        (ckpt / "latest").unlink()
+    else:
+        (ckpt / "latest").write_bytes(pointer)
+    assert ck.load(ckpt)["step"] == 6  # never a silent restart from 0
+    assert "falling back to the newest intact step dir of [3, 6]" in caplog_kdexp.text
+    assert ("latest is missing" if pointer is None else "latest holds ") in caplog_kdexp.text
+
+
+def test_a_latest_pointer_without_any_step_is_an_error(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    save_steps(ckpt, [3])
+    ck.shutil.rmtree(ckpt / "step_3")
+    with pytest.raises(RuntimeError, match=r"latest holds '3', not a step on disk, and no checkpoint step is left"):
+        ck.load(ckpt)
+    (ckpt / "latest").write_text("garbage")
+    with pytest.raises(RuntimeError, match="remove the directory to start over"):
+        ck.load(ckpt)
+
+
+def test_no_checkpoint_directory_is_a_fresh_start(tmp_path):
+    assert ck.load(tmp_path / "checkpoints") is None
+
+
+def test_all_steps_corrupt_is_an_error_naming_every_file(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    save_steps(ckpt, [3, 6])
+    for s in (3, 6):
+        f = ckpt / f"step_{s}" / "tp0.pt"
+        f.write_bytes(f.read_bytes()[:50])
+    with pytest.raises(RuntimeError) as info:
+        ck.load(ckpt)
+    msg = str(info.value)
+    assert msg.startswith(f"no intact checkpoint in {ckpt} (steps [6, 3] all failed: ")
+    assert str(ckpt / "step_6" / "tp0.pt") in msg and str(ckpt / "step_3" / "tp0.pt") in msg
+    assert "remove the directory to start over" in msg
+
+
+def test_a_checkpoint_of_another_config_is_not_resumed(tmp_path, caplog_kdexp):
+    ckpt = tmp_path / "checkpoints"
+    save_steps(ckpt, [3])
+    assert ck.load(ckpt, config_hash="other") is None
+    assert "it was written by another config" in caplog_kdexp.text
+    assert ck.load(ckpt, config_hash="abc")["step"] == 3
+    assert ck.load(ckpt)["step"] == 3  # no hash given: no check
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# a real run resumed after its latest checkpoint was truncated
+
+@pytest.mark.slow
+def test_a_run_whose_latest_checkpoint_is_truncated_resumes_from_the_previous_step(tmp_path):
+    env = {**os.environ, "KDEXP_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    env.pop("KDEXP_RUN_STAMP", None)
+
+    def run(run_dir):
+        cmd = [sys.executable, "-m", "kdexp.run", "experiment=smoke", "logger=none", f"hydra.run.dir={run_dir}"]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return proc
+
+    reference, run_dir = tmp_path / "reference", tmp_path / "run"
+    run(reference)
+    run(run_dir)
+    bad = run_dir / "checkpoints" / "step_6" / "tp0.pt"  # checkpoints at 3 and 6 (smoke: every 3 steps)
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    (run_dir / "summary.json").unlink()  # as if the run died between its last checkpoint and its summary
+    proc = run(run_dir)
+    log = proc.stdout + proc.stderr
+    assert f"checkpoint step 6 is not intact: {bad} is " in log and "resuming from step 3" in log
+    summary, ref = (json.loads((d / "summary.json").read_text()) for d in (run_dir, reference))
+    final = {k: v for k, v in summary["final"].items() if not k.startswith("perf/")}
+    assert final == pytest.approx({k: v for k, v in ref["final"].items() if not k.startswith("perf/")}, rel=1e-5)
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["kind"] == "train"] == [1, 2, 3, 4, 5, 6]  # steps 4-6 redone once
+    assert ck.verify(bad) is None and ck.load(run_dir / "checkpoints")["step"] == 6  # rewritten intact

@@ -1,0 +1,136 @@
+"""kdexp.track.wandb_logger: W&B online without a reachable server falls back to offline within seconds (never the
+~97 s block of wandb's own init timeout), and the offline run holds the logged data for a later `wandb sync`.
+
+The servers are local sockets: a port where nothing listens, one that accepts connections and never answers, and a
+tiny HTTP server that does answer (so a live server is not mistaken for a dead one).
+"""
+from __future__ import annotations
+
+import http.server
+import logging
+import socket
+import threading
+import time
+
+import pytest
+from omegaconf import OmegaConf
+
+from kdexp.config import KdexpConfig
+from kdexp.track import wandb_logger
+from kdexp.track.wandb_logger import WandbLogger, unreachable
+
+
+def _dead_url() -> str:
+    with socket.socket() as s:  # bound then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture
+def silent_url():
+    """A server that accepts every connection and never sends a byte."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held, stop = [], threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                pass
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    server.close()
+
+
+@pytest.fixture
+def answering_url():
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):  # noqa: N802 (the stdlib's name)
+            self.send_response(401)  # what a real W&B server says to an anonymous HEAD: still an answer
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_probe_tells_dead_silent_and_live_servers_apart(silent_url, answering_url):
+    assert "refused" in unreachable(_dead_url()).lower()
+    started = time.perf_counter()
+    assert unreachable(silent_url, timeout=1.0) is not None
+    assert time.perf_counter() - started < 10  # bounded by the probe timeout, not by the server
+    assert unreachable(answering_url) is None
+    assert unreachable("not a url") is not None
+
+
+def test_base_url_follows_wandb_base_url(monkeypatch):
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    assert wandb_logger.base_url() == "http://127.0.0.1:9"
+
+
+@pytest.mark.parametrize("server", ["nothing listening", "accepts, never answers"])
+def test_online_without_server_falls_back_to_offline(server, silent_url, tmp_path, monkeypatch, caplog):
+    url = _dead_url() if server == "nothing listening" else silent_url
+    monkeypatch.setenv("WANDB_BASE_URL", url)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = OmegaConf.merge(OmegaConf.structured(KdexpConfig), {"logger": {"wandb": {"mode": "online"}}})
+    cfg.paths.cache = cfg.paths.index = str(tmp_path / "cache")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    started = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="kdexp"):
+        logger = WandbLogger(cfg, run_dir, enabled=True, name="point", group=None, job_type="train")
+    seconds = time.perf_counter() - started
+    print(f"{server}: W&B logger ready (offline fallback) after {seconds:.1f} s")
+    try:
+        assert logger.mode == "offline" and logger.run is not None
+        assert url in caplog.text and "offline" in caplog.text and "wandb sync" in caplog.text
+        assert seconds < 60  # generous: wandb's own online init blocks ~97 s here
+        logger.log({"train/loss": 1.5, "step": 1, "kind": "train"}, step=1)
+        logger.summary({"val/lm_loss": 2.0})
+    finally:
+        logger.finish()
+    offline = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1 and list(offline[0].glob("*.wandb")), "no offline run to `wandb sync` later"
+    assert (run_dir / "wandb_id").read_text().strip() in offline[0].name  # resumable under the same id
+
+
+def test_reachable_server_that_fails_init_falls_back_too(answering_url, tmp_path, monkeypatch, caplog):
+    """The server answers the probe but wandb.init cannot start an online run there (no W&B API behind it)."""
+    monkeypatch.setenv("WANDB_BASE_URL", answering_url)
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)  # no login prompt: init talks to the server and fails
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_INIT_TIMEOUT", raising=False)
+    monkeypatch.setattr(wandb_logger, "INIT_TIMEOUT_S", 5.0)  # the bound under test, shortened to keep tests quick
+    cfg = OmegaConf.merge(OmegaConf.structured(KdexpConfig), {"logger": {"wandb": {"mode": "online"}}})
+    cfg.paths.cache = cfg.paths.index = str(tmp_path / "cache")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    started = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="kdexp"):
+        logger = WandbLogger(cfg, run_dir, enabled=True, name="point", group=None, job_type="train")
+    print(f"reachable, init fails: W&B logger ready (offline fallback) after {time.perf_counter() - started:.1f} s")
+    try:
+        assert logger.mode == "offline" and "online init failed" in caplog.text
+        assert time.perf_counter() - started < 60  # bounded by INIT_TIMEOUT_S plus wandb's grace, not 90 s
+    finally:
+        logger.finish()
+    assert list((run_dir / "wandb").glob("offline-run-*/*.wandb"))
