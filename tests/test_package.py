@@ -29,7 +29,10 @@ def test_wheel_contains_config_groups_and_launchers(wheel):
                      "kdexp/conf/balancer/alpha.yaml", "kdexp/conf/balancer/dynamic.yaml",
                      "kdexp/conf/model/qwen3.yaml", "kdexp/conf/model/qwen3_tiny.yaml",
                      "kdexp/conf/data/stdlib.yaml", "kdexp/conf/data/indexed.yaml",
-                     "kdexp/conf/experiment/qwen3_before_after.yaml", "kdexp/launchers/start_slurm.sh"):
+                     "kdexp/conf/experiment/qwen3_before_after.yaml", "kdexp/conf/experiment/smoke.yaml",
+                     "kdexp/conf/hydra/launcher/slurm_gpu.yaml", "kdexp/conf/hydra/launcher/slurm_cpu.yaml",
+                     "kdexp/conf/hydra/launcher/local_cpu.yaml", "kdexp/launchers/start_slurm.sh",
+                     "kdexp/launchers/stop_slurm.sh", "kdexp/launchers/site.yaml.example", "kdexp/bench/gpu.py"):
         assert required in names, required
 
 

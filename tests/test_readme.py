@@ -178,7 +178,8 @@ COMMANDS: dict[str, How] = {
     "python -m kdexp.run loss=top_p loss.top_p=0.9 -m balancer.alpha=0.5,0.9,1.0": How(
         "covered", "tests/test_cli.py::test_readme_sweep_line_verbatim"),
     "python -m kdexp.run -m loss=topk,top_p balancer.alpha=0.5,1.0 hydra/launcher=local_cpu": How(
-        "appended", "4 full runs take many minutes", ("experiment=smoke", "logger=none", "hydra.sweep.dir=sweep"),
+        "appended", "4 full runs take many minutes",
+        ("experiment=smoke", "trainer.max_steps=2", "trainer.eval_interval=2", "logger=none", "hydra.sweep.dir=sweep"),
         check=_local_cpu_sweep),
     "python -m kdexp.run -m loss=topk,top_p balancer.alpha=0.5,1.0 hydra/launcher=slurm_gpu parallel.tensor=8": How(
         "not here", "needs SLURM nodes with 8 GPUs; the preset is composed by tests/test_sweep.py::test_presets"),
