@@ -76,13 +76,14 @@ def _launch_env():
 
 
 def _init_process_group(backend: str) -> tuple[int, int, int, str]:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), launch_env().local_rank, "existing"
     rank, world, local_rank, addr, port, source = _launch_env()
     if backend == "nccl":
-        # Before the group exists. Modulo: where SLURM binds each task to its own GPU (--gpus-per-task, gpu-bind)
-        # a task sees one device, index 0, whatever its local rank.
+        # Before the group exists, and also when a caller made the group already (every local rank would use cuda:0).
+        # Modulo: where SLURM binds each task to its own GPU (--gpus-per-task, gpu-bind) a task sees one device,
+        # index 0, whatever its local rank.
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), local_rank, "existing"
     timeout = datetime.timedelta(minutes=30)
     if source == "torchrun" and (port is not None or world > 1):
         # env:// lets torchrun's agent store (already listening on MASTER_PORT) serve the rendezvous.
