@@ -20,7 +20,6 @@ from an abandoned timeline (another config, or a corrupt step this run fell back
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -31,12 +30,11 @@ import torch
 import torch.distributed as dist
 
 from kdexp import distributed
+from kdexp.data.cache import sha256_file
 from kdexp.distributed import barrier
 from kdexp.track import records
 
 log = logging.getLogger("kdexp")
-
-_CHUNK = 1 << 22
 
 
 def step_dir(ckpt_dir: Path, step: int) -> Path:
@@ -57,14 +55,6 @@ def latest_step(ckpt_dir: Path) -> Optional[int]:
         return int((Path(ckpt_dir) / "latest").read_text().strip())
     except (FileNotFoundError, ValueError, UnicodeDecodeError):
         return None
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _atomic_write(path: Path, write) -> None:
