@@ -16,22 +16,15 @@ import sys
 import pytest
 import torch
 
-import kdexp.distributed as kd
+from _lone_process import lone_process as _lone_process
 from kdexp.train import checkpoint as ck
 
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_EXECUTOR",
-                "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID", "SLURM_STEPID")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def lone_process():
-    saved = {v: os.environ.pop(v) for v in _LAUNCH_VARS if v in os.environ}
-    if kd.is_initialized():
-        kd.destroy()
-    kd.initialize(seed=1)
-    yield
-    kd.destroy()
-    os.environ.update(saved)
+    with _lone_process(seed=1):
+        yield
 
 
 @pytest.fixture

@@ -12,24 +12,19 @@ import torch.distributed as dist
 import kdexp.distributed as kd
 from kdexp.distributed import cpu
 from kdexp.distributed.testing import free_port
-from test_distributed import _LAUNCH_VARS
+from _lone_process import lone_process
 
 
 @pytest.fixture
 def torchrun_rank(monkeypatch):
     """A lone torchrun process (world 1) whose LOCAL_RANK is 3: the GPU it must select."""
-    for var in _LAUNCH_VARS:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    monkeypatch.setenv("LOCAL_RANK", "3")
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    if kd.is_initialized():
-        kd.destroy()
-    yield
-    if kd.is_initialized() or dist.is_initialized():
-        kd.destroy()
+    with lone_process(monkeypatch=monkeypatch):
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        monkeypatch.setenv("LOCAL_RANK", "3")
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        yield
 
 
 @pytest.fixture
@@ -116,12 +111,7 @@ def test_build_cuda_branch_inits_like_the_cpu_and_moves_the_model(monkeypatch):
     from kdexp import models
     from kdexp.models.build import transformer_config
 
-    for var in _LAUNCH_VARS:
-        monkeypatch.delenv(var, raising=False)
-    if kd.is_initialized():
-        kd.destroy()
-    try:
-        kd.initialize(tensor_parallel=1, seed=5)  # CPU: cpu.apply() makes current_device() the CPU
+    with lone_process(seed=5, monkeypatch=monkeypatch):  # CPU: cpu.apply() makes current_device() the CPU
         kd.reseed(11)
         on_cpu = dict(models.build(_tiny_spec()).named_parameters())
         moved = []
@@ -149,8 +139,6 @@ def test_build_cuda_branch_inits_like_the_cpu_and_moves_the_model(monkeypatch):
                    for n, p in empty.named_parameters() if n.endswith(("linear_qkv.weight", "linear_fc2.weight")))
         logits = models.vocab_parallel_logits(a, torch.randint(0, 96, (2, 8)))
         assert logits.shape == (2, 8, 96) and torch.isfinite(logits).all()
-    finally:
-        kd.destroy()
 
 
 # --- the loss: the fused row kernels' non-CPU branch ------------------------------------------------------------------

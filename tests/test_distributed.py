@@ -7,24 +7,17 @@ import pytest
 import torch
 
 import kdexp.distributed as kd
+from _lone_process import lone_process as _lone_process
 from kdexp.distributed import cpu
 from kdexp.distributed.testing import run_on_processes
 
 VOCAB, SEQ, BATCH = 128, 16, 2
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_EXECUTOR",
-                "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID", "SLURM_STEPID", "SLURM_LOCALID",
-                "SLURM_JOB_NODELIST", "SLURM_JOB_ID")
 
 
 @pytest.fixture
 def lone_process(monkeypatch):
-    for var in _LAUNCH_VARS:
-        monkeypatch.delenv(var, raising=False)
-    if kd.is_initialized():
-        kd.destroy()
-    yield
-    if kd.is_initialized() or torch.distributed.is_initialized():
-        kd.destroy()
+    with _lone_process(monkeypatch=monkeypatch):
+        yield
 
 
 def _tiny_gpt(tp):

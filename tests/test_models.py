@@ -10,13 +10,12 @@ import pytest
 import torch
 
 import kdexp.distributed as kd
+from _lone_process import lone_process
 from kdexp.distributed.testing import run_on_processes
 from kdexp.models import (QWEN3_SIZES, Qwen3Spec, build, check_tp, forward_logits, get_spec, load_hf, save_hf,
                           spec_from_hf, spec_to_hf, vocab_parallel_logits)
 
 VOCAB = 256
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_EXECUTOR",
-                "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID", "SLURM_STEPID")
 
 
 def _hf_model(tie: bool, seed: int):
@@ -57,12 +56,8 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture
 def tp1(monkeypatch):
-    for var in _LAUNCH_VARS:
-        monkeypatch.delenv(var, raising=False)
-    if kd.is_initialized():
-        kd.destroy()
-    yield kd.initialize(seed=5)
-    kd.destroy()
+    with lone_process(seed=5, monkeypatch=monkeypatch) as state:
+        yield state
 
 
 @pytest.mark.parametrize("which", ["tied", "untied", "sharded"])

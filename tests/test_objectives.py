@@ -6,30 +6,22 @@ Loss options are given through kdexp.config.LossConfig's stable fields (top_k, t
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-import kdexp.distributed as kd
+from _lone_process import lone_process as _lone_process
 from _kd_reference import reference_kd
 from kdexp.config import LossConfig
 from kdexp.train import objectives
 
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_EXECUTOR",
-                "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID", "SLURM_STEPID")
 B, S, V = 2, 3, 11
 
 
 @pytest.fixture(scope="module", autouse=True)
 def lone_process():
-    saved = {v: os.environ.pop(v) for v in _LAUNCH_VARS if v in os.environ}
-    if kd.is_initialized():
-        kd.destroy()
-    kd.initialize(seed=1)
-    yield
-    kd.destroy()
-    os.environ.update(saved)
+    with _lone_process(seed=1):
+        yield
 
 
 def tiny(seed=0):

@@ -3,28 +3,21 @@ hand-computed norm (also TP-sharded over two gloo processes) and data-parallel g
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
 import kdexp.distributed as kd
+from _lone_process import lone_process as _lone_process
 from kdexp.distributed.testing import run_on_processes
 from kdexp.train import optim
 
-_LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SUBMITIT_EXECUTOR",
-                "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID", "SLURM_STEPID")
 
 
 @pytest.fixture
 def lone_process():
-    saved = {v: os.environ.pop(v) for v in _LAUNCH_VARS if v in os.environ}
-    if kd.is_initialized():
-        kd.destroy()
-    kd.initialize(seed=1)
-    yield
-    kd.destroy()
-    os.environ.update(saved)
+    with _lone_process(seed=1):
+        yield
 
 
 # ---------------------------------------------------------------------------------------------------------------------

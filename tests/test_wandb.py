@@ -84,9 +84,8 @@ def test_base_url_follows_wandb_base_url(monkeypatch):
     assert wandb_logger.base_url() == "http://127.0.0.1:9"
 
 
-@pytest.mark.parametrize("server", ["nothing listening", "accepts, never answers"])
-def test_online_without_server_falls_back_to_offline(server, silent_url, tmp_path, monkeypatch, caplog):
-    url = _dead_url() if server == "nothing listening" else silent_url
+def _start_online(url, tmp_path, monkeypatch, caplog):
+    """A WandbLogger in online mode against ``url``: (logger, run dir, seconds it took to be ready)."""
     monkeypatch.setenv("WANDB_BASE_URL", url)
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -97,7 +96,13 @@ def test_online_without_server_falls_back_to_offline(server, silent_url, tmp_pat
     started = time.perf_counter()
     with caplog.at_level(logging.WARNING, logger="kdexp"):
         logger = WandbLogger(cfg, run_dir, enabled=True, name="point", group=None, job_type="train")
-    seconds = time.perf_counter() - started
+    return logger, run_dir, time.perf_counter() - started
+
+
+@pytest.mark.parametrize("server", ["nothing listening", "accepts, never answers"])
+def test_online_without_server_falls_back_to_offline(server, silent_url, tmp_path, monkeypatch, caplog):
+    url = _dead_url() if server == "nothing listening" else silent_url
+    logger, run_dir, seconds = _start_online(url, tmp_path, monkeypatch, caplog)
     print(f"{server}: W&B logger ready (offline fallback) after {seconds:.1f} s")
     try:
         assert logger.mode == "offline" and logger.run is not None
@@ -114,23 +119,14 @@ def test_online_without_server_falls_back_to_offline(server, silent_url, tmp_pat
 
 def test_reachable_server_that_fails_init_falls_back_too(answering_url, tmp_path, monkeypatch, caplog):
     """The server answers the probe but wandb.init cannot start an online run there (no W&B API behind it)."""
-    monkeypatch.setenv("WANDB_BASE_URL", answering_url)
     monkeypatch.setenv("WANDB_API_KEY", "k" * 40)  # no login prompt: init talks to the server and fails
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("WANDB_INIT_TIMEOUT", raising=False)
     monkeypatch.setattr(wandb_logger, "INIT_TIMEOUT_S", 5.0)  # the bound under test, shortened to keep tests quick
-    cfg = OmegaConf.merge(OmegaConf.structured(KdexpConfig), {"logger": {"wandb": {"mode": "online"}}})
-    cfg.paths.cache = cfg.paths.index = str(tmp_path / "cache")
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    started = time.perf_counter()
-    with caplog.at_level(logging.WARNING, logger="kdexp"):
-        logger = WandbLogger(cfg, run_dir, enabled=True, name="point", group=None, job_type="train")
-    print(f"reachable, init fails: W&B logger ready (offline fallback) after {time.perf_counter() - started:.1f} s")
+    logger, run_dir, seconds = _start_online(answering_url, tmp_path, monkeypatch, caplog)
+    print(f"reachable, init fails: W&B logger ready (offline fallback) after {seconds:.1f} s")
     try:
         assert logger.mode == "offline" and "online init failed" in caplog.text
-        assert time.perf_counter() - started < 60  # bounded by INIT_TIMEOUT_S plus wandb's grace, not 90 s
+        assert seconds < 60  # bounded by INIT_TIMEOUT_S plus wandb's grace, not 90 s
     finally:
         logger.finish()
     assert list((run_dir / "wandb").glob("offline-run-*/*.wandb"))
