@@ -21,7 +21,7 @@ run: $(VENV)/.installed
 	$(PY) -m kdexp.run $(ARGS)
 
 test: $(VENV)/.installed
-	$(VENV)/bin/ruff check kdexp tests
+	$(VENV)/bin/ruff check kdexp conf launchers tests
 	$(PY) -m pytest -q -ra $(ARGS)
 
 bench: $(VENV)/.installed

@@ -1,1 +1,15 @@
-"""kdexp: knowledge-distillation experiments for LLMs on megatron-core."""
+"""kdexp: knowledge-distillation experiments for LLMs on megatron-core.
+
+The Hydra config groups (``conf/``) and the launcher helpers (``launchers/``) sit at the repository root beside this
+package, as the house plan lays it out. The wheel ships them inside the package as ``kdexp.conf`` and
+``kdexp.launchers`` (pyproject's ``package-dir``). A source checkout on ``PYTHONPATH`` has no ``kdexp/conf``, so the
+checkout's root joins this package's search path: ``kdexp.conf`` is then ``<root>/conf`` of the same checkout (never
+the conf of another install), and editable, source and installed runs import the same two subpackages.
+"""
+from pathlib import Path as _Path
+
+_root = _Path(__file__).resolve().parent.parent
+if not (_Path(__file__).parent / "conf").is_dir() and (_root / "conf" / "__init__.py").is_file() \
+        and (_root / "launchers" / "__init__.py").is_file():
+    __path__.append(str(_root))  # noqa: F821  (the package's own __path__)
+del _Path, _root

@@ -137,7 +137,7 @@ def _single_run_failed(code: Optional[int], line: Optional[str], run_dir, error_
             records.write_error(run_dir, "run failed", error_text)
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="pkg://kdexp.conf", config_name="config")
 def main(cfg: DictConfig):
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode

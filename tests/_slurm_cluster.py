@@ -1,7 +1,7 @@
 """The one-node SLURM cluster for tests/test_slurm.py: use it when it runs, start it when this process can, and
 otherwise skip the SLURM tests with the reason (a failure under CI=true, so CI never silently drops them).
 
-Starting means running the idempotent ``python -m kdexp.launchers start-slurm`` (kdexp/launchers/start_slurm.sh:
+Starting means running the idempotent ``python -m kdexp.launchers start-slurm`` (launchers/start_slurm.sh:
 installs slurm-wlm + munge with apt-get if missing, writes /etc/slurm/slurm.conf, starts munged, slurmctld and
 slurmd). It needs root and, when SLURM is not installed yet, apt-get. Parallel pytest processes (xdist workers,
 two sessions) serialize on a file lock; the second one finds the cluster up and returns at once.
@@ -19,7 +19,7 @@ from typing import Optional
 
 import pytest
 
-START = "python -m kdexp.launchers start-slurm"  # = bash kdexp/launchers/start_slurm.sh
+START = "python -m kdexp.launchers start-slurm"  # = bash launchers/start_slurm.sh
 START_CMD = [sys.executable, "-m", "kdexp.launchers", "start-slurm"]
 LOCK = Path(tempfile.gettempdir()) / "kdexp-start-slurm.lock"
 USABLE = {"idle", "mixed", "allocated", "completing"}
@@ -74,7 +74,7 @@ def ensure() -> Optional[str]:
         return None
     why_not = cannot_start()
     if why_not is not None:
-        return f"{problem}; {why_not}: run `sudo bash kdexp/launchers/start_slurm.sh` first"
+        return f"{problem}; {why_not}: run `sudo bash launchers/start_slurm.sh` first"
     failed = start()
     return None if failed is None else f"{problem}; starting it failed: {failed}"
 

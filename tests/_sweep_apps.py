@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import kdexp
+import kdexp.conf
 
-CONF_DIR = Path(kdexp.__file__).resolve().parent / "conf"
+CONF_DIR = Path(kdexp.conf.__file__).resolve().parent
 
 APP_CONFIG = f"""\
 x: 1

@@ -34,6 +34,13 @@ def test_wheel_contains_config_groups_and_launchers(wheel):
                      "kdexp/conf/hydra/launcher/local_cpu.yaml", "kdexp/launchers/start_slurm.sh",
                      "kdexp/launchers/stop_slurm.sh", "kdexp/launchers/site.yaml.example", "kdexp/bench/gpu.py"):
         assert required in names, required
+    # every package of the source tree ships (pyproject lists them: conf/ and launchers/ are mapped into kdexp/)
+    packages = {str(d.relative_to(ROOT)) for d in (ROOT / "kdexp").rglob("__init__.py")}
+    packages |= {"conf/__init__.py", "launchers/__init__.py"}
+    for init in packages:
+        in_wheel = init if init.startswith("kdexp/") else f"kdexp/{init}"
+        assert in_wheel in names, f"{init} is not in the wheel: add its package to pyproject's [tool.setuptools]"
+    assert not any(n.startswith(("conf/", "launchers/", "tests/")) for n in names)  # nothing outside the package
 
 
 @pytest.mark.slow

@@ -154,7 +154,7 @@ def _gpu_check(proc, cwd):
 SMOKE = ("experiment=smoke",)
 COMMANDS: dict[str, How] = {
     "make run": How("dry-run", check=_make_dry_run(".venv/bin/python -m kdexp.run ")),
-    "make test": How("dry-run", check=_make_dry_run(".venv/bin/ruff check kdexp tests", ".venv/bin/python -m pytest -q -ra ")),
+    "make test": How("dry-run", check=_make_dry_run(".venv/bin/ruff check kdexp conf launchers tests", ".venv/bin/python -m pytest -q -ra ")),
     "PYTHON=python3.11 make run": How("dry-run", check=_make_dry_run(
         "test -x .venv/bin/python || python3.11 -m venv .venv", ".venv/bin/python -m kdexp.run ")),
     'make run ARGS="loss=top_p balancer.alpha=1.0"': How("dry-run", check=_make_dry_run(
@@ -184,11 +184,11 @@ COMMANDS: dict[str, How] = {
     "python -m kdexp.run -m loss=topk,top_p balancer.alpha=0.5,1.0 hydra/launcher=slurm_gpu parallel.tensor=8": How(
         "not here", "needs SLURM nodes with 8 GPUs; the preset is composed by tests/test_sweep.py::test_presets"),
     "python -m kdexp.launchers site": How("verbatim", check=_site),
-    "bash kdexp/launchers/start_slurm.sh": How(
+    "bash launchers/start_slurm.sh": How(
         "covered", "tests/test_slurm.py::test_sweep_of_two_task_points_with_gloo_all_reduce"),
     "python -m kdexp.run -m balancer.alpha=0.5,1.0 hydra/launcher=slurm_cpu parallel.tensor=2": How(
         "covered", "tests/test_slurm.py::test_trainer_sweep_tp2_on_slurm_matches_tp1_basic_launcher"),
-    "bash kdexp/launchers/stop_slurm.sh": How("not here", "stops the cluster the SLURM tests (and other sessions) use"),
+    "bash launchers/stop_slurm.sh": How("not here", "stops the cluster the SLURM tests (and other sessions) use"),
     "python -m kdexp.data.preprocess --input shard*.jsonl --tokenizer /ckpt/Qwen3-1.7B --output-prefix /data/web": How(
         "covered", "tests/test_data.py::test_preprocess_cli_matches_direct_tokenization"),
     "python -m kdexp.run data=indexed data.prefixes=[/data/web] data.tokenizer=/ckpt/Qwen3-1.7B": How(

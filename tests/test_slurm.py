@@ -1,4 +1,4 @@
-"""Sweeps on the real one-node SLURM cluster of kdexp/launchers/start_slurm.sh.
+"""Sweeps on the real one-node SLURM cluster of launchers/start_slurm.sh.
 
 The cluster fixture uses a running cluster, or starts it (root + apt-get: tests/_slurm_cluster.py), or skips these
 tests with the reason in pytest's summary; under CI=true a cluster that cannot be started fails them instead.

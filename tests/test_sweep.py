@@ -16,6 +16,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from _sweep_apps import CONF_DIR, app_env, load_sweep, run_app, sweep_dirs, write_app
+import kdexp.launchers
 from kdexp.track import records, sweep
 from sweeps import run_diverging_sweep
 
@@ -324,7 +325,7 @@ def test_site_dir_that_does_not_exist_is_an_error(tmp_path, monkeypatch):
 
 
 def test_site_example_is_valid_for_the_slurm_presets(tmp_path, monkeypatch):
-    example = (Path(sweep.__file__).parents[1] / "launchers" / "site.yaml.example").read_text()
+    example = (Path(kdexp.launchers.__file__).parent / "site.yaml.example").read_text()
     gpu = _launcher(tmp_path, monkeypatch, ["hydra/launcher=slurm_gpu"], example)
     assert gpu.partition == "gpu" and gpu.account == "my_project"
 

@@ -2,8 +2,8 @@
 # Start (or check) a one-node SLURM cluster on this machine, for trying kdexp sweeps locally and for the SLURM
 # tests (.ci/run calls it before `make test`).
 #
-#   bash kdexp/launchers/start_slurm.sh      # progress on stderr; the last stdout line is the partition name
-#   bash kdexp/launchers/stop_slurm.sh       # stops the daemons this script started
+#   bash launchers/start_slurm.sh      # progress on stderr; the last stdout line is the partition name
+#   bash launchers/stop_slurm.sh       # stops the daemons this script started
 #
 # Idempotent: when munged, slurmctld and slurmd already run with the configuration this script would write and the
 # node answers, it only prints the partition and returns within a second or two. Otherwise it installs the Debian
@@ -37,7 +37,7 @@ real_mem=$(( mem_mb * 95 / 100 ))
 
 desired_conf() {
   cat <<EOF
-# Written by kdexp/launchers/start_slurm.sh: a one-node SLURM cluster for local sweeps. Rewritten when it differs.
+# Written by launchers/start_slurm.sh: a one-node SLURM cluster for local sweeps. Rewritten when it differs.
 ClusterName=kdexp
 SlurmctldHost=${NODE}(127.0.0.1)
 SlurmUser=root

@@ -1,6 +1,6 @@
 """The launcher scripts of an installed kdexp, without knowing where site-packages is.
 
-    python -m kdexp.launchers start-slurm     # = bash kdexp/launchers/start_slurm.sh (one-node SLURM cluster)
+    python -m kdexp.launchers start-slurm     # = bash launchers/start_slurm.sh (one-node SLURM cluster)
     python -m kdexp.launchers stop-slurm
     python -m kdexp.launchers site            # which site dir is in use and where site/local.yaml goes
 """
