@@ -176,29 +176,39 @@ def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
     return x if temperature == 1.0 else x / temperature
 
 
-def _load_(buf: torch.Tensor, raw: torch.Tensor, temperature: float, centre: torch.Tensor | None) -> torch.Tensor:
-    """buf[:, :V] = (raw - centre) / T in the compute dtype; an extra last column, if any, is a scratch slot at -inf.
+def _load_(buf: torch.Tensor, raw: torch.Tensor, temperature: float, centre: torch.Tensor | None):
+    """buf[:, :V] = the chunk's logits / T in the compute dtype; an extra last column, if any, is a scratch slot at -inf.
+    Returns (buf, offset): `offset` is the centre still to take off the log-sum-exps of buf (see _lse_), or None.
 
-    Why centre (on the row max) before dividing: log-probs formed as x - logsumexp(x) carry an absolute error of about
-    one ulp of max|x| (3e-5 for logits around 256 in float32), which near convergence is the size of the loss itself
-    and can make it negative. Centred, the entries that carry the mass are O(1), and raw - centre is exact for them
-    (Sterbenz), so the error drops to about one ulp of 1. centre=None: raw / T unchanged (only where that is exact)."""
+    Why centre (on the row max): log-probs formed as x/T - logsumexp(x/T) carry an absolute error of about one ulp of
+    max|x/T| (3e-5 for logits around 256 in float32), which near convergence is the size of the loss and can make it
+    negative. Centred, the entries that carry the mass are O(1) and raw - centre is exact for them (Sterbenz), so the
+    error is about one ulp of 1. With a division (T != 1) the centring must come first: buf = (raw - centre) / T.
+    With T == 1 buf keeps the raw logits (no extra pass): log_softmax's own row max centres them exactly, and _lse_
+    subtracts the centre from that max, which is exact too."""
     v = raw.shape[1]
-    if centre is None:
-        buf[:, :v].copy_(raw)
+    dst = buf[:, :v]
+    offset = centre
+    if centre is not None and temperature != 1.0:
+        if raw.dtype == buf.dtype:
+            torch.sub(raw, centre[:, None], out=dst)  # one pass
+        else:
+            dst.copy_(raw).sub_(centre[:, None])  # a mixed-dtype (bf16 - fp32) sub is ~10x slower on CPU
+        dst.div_(temperature)
+        offset = None
     else:
-        torch.sub(raw, centre[:, None], out=buf[:, :v])  # one pass, cast to the compute dtype before subtracting
-    if temperature != 1.0:
-        buf[:, :v].div_(temperature)
+        dst.copy_(raw)
+        if temperature != 1.0:
+            dst.div_(temperature)
     if buf.shape[1] > v:
         buf[:, v:] = -math.inf
-    return buf
+    return buf, offset
 
 
 def _dense_chunks(student: torch.Tensor, teacher: torch.Tensor, rows: int, temperature: float, cd: torch.dtype,
                   centres: torch.Tensor | None):
-    """(rows slice, teacher chunk, student chunk) as (raw - centre) / T in two reused compute-dtype buffers (forward
-    and backward); centres: [2, n] (teacher, student) row maxima, or None."""
+    """(rows slice, (teacher chunk, offset), (student chunk, offset)) from _load_, in two reused compute-dtype buffers
+    (forward and backward); centres: [2, n] (teacher, student) row maxima, or None."""
     n, vl = student.shape
     bt = torch.empty(rows, vl, dtype=cd, device=student.device)
     bs = torch.empty_like(bt)
@@ -223,15 +233,18 @@ def _softmax_(x: torch.Tensor) -> torch.Tensor:
     return torch.softmax(x, 1)
 
 
-def _lse_(x: torch.Tensor, shard: Shard):
-    """(global log-sum-exp [c], this rank's log-sum-exp [c], this rank's log-softmax). x is consumed.
+def _lse_(x: torch.Tensor, shard: Shard, offset: torch.Tensor | None = None):
+    """(global log-sum-exp [c], this rank's log-sum-exp [c], this rank's log-softmax). x is consumed. The log-sum-exps
+    are of x - offset (the centre _load_ left to take off; None: 0).
 
     -inf where every entry is masked; the log-softmax of such a row is NaN and must not be used."""
     m = x.amax(1)
     out = _log_softmax_(x)
     # out = x - m - log(sum exp(x - m)): its row max is exactly -log(sum ...), so lse = m - max(out). Two cheap
-    # reductions instead of a max-with-index pass and a gather.
-    loc = torch.where(torch.isfinite(m), m - out.amax(1), torch.full_like(m, -math.inf))
+    # reductions instead of a max-with-index pass and a gather. m - offset is exact near the row max (Sterbenz), so
+    # the centred lse keeps the precision of an O(1) number.
+    top = m if offset is None else m - offset
+    loc = torch.where(torch.isfinite(m), top - out.amax(1), torch.full_like(m, -math.inf))
     return shard.logsumexp_(loc), loc, out
 
 
@@ -254,12 +267,12 @@ class _LogitsKD(torch.autograd.Function):
                 centres = torch.stack([shard.row_max(teacher, cd), shard.row_max(student, cd)])
             shift = torch.zeros(2, n, dtype=cd, device=dev)  # local minus global log-sum-exp (0 without TP)
             aux = torch.empty(n, dtype=cd, device=dev)
-            for r, xt, xs in _dense_chunks(student, teacher, rows, cfg.temperature, cd, centres):
+            for r, (xt, ot), (xs, os_) in _dense_chunks(student, teacher, rows, cfg.temperature, cd, centres):
                 if shard.world == 1:
                     a, b = _log_softmax_(xt), _log_softmax_(xs)
                 else:
-                    lse_t, loc_t, a = _lse_(xt, shard)
-                    lse_s, loc_s, b = _lse_(xs, shard)
+                    lse_t, loc_t, a = _lse_(xt, shard, ot)
+                    lse_s, loc_s, b = _lse_(xs, shard, os_)
                     shift[0, r], shift[1, r] = loc_t - lse_t, loc_s - lse_s
                     a.add_(shift[0, r, None])
                     b.add_(shift[1, r, None])
@@ -309,7 +322,7 @@ class _LogitsKD(torch.autograd.Function):
         scale = grad_out.reshape(-1).to(cd) * (cfg.loss_scale / cfg.temperature)
         if ctx.dense:
             teacher = ctx.saved_tensors[1]
-            for r, xt, xs in _dense_chunks(student, teacher, rows, cfg.temperature, cd, ctx.centres):
+            for r, (xt, _), (xs, _) in _dense_chunks(student, teacher, rows, cfg.temperature, cd, ctx.centres):
                 if cfg.divergence == "forward_kl":  # q - p straight from the fused softmax
                     p, q = _softmax_(xt), _softmax_(xs)
                     if shard.world > 1:
@@ -332,7 +345,7 @@ class _LogitsKD(torch.autograd.Function):
             if coef is None:  # renormalize: the loss depends on the kept logits only
                 x = buf[:c].zero_()
             else:
-                x = _load_(buf[:c], student[r], cfg.temperature, centre).scatter_(1, lidx, -math.inf)
+                x = _load_(buf[:c], student[r], cfg.temperature, centre)[0].scatter_(1, lidx, -math.inf)
                 # softmax over this rank's entries outside S = exp(s - lse_loc); coef[1] = exp(lse_loc - lse_notS).
                 # Rows whose local entries are all in S come out NaN and are overwritten whole by the scatter.
                 x = _softmax_(x).mul_(coef[0][:, None] * sc)
@@ -359,7 +372,8 @@ def _sparse_forward_chunk(student, teacher, buf, cfg: _Cfg, shard: Shard, cd, wa
             a = vals  # unnormalised: only differences within S matter below
             break
         lidx, _ = shard.local_index(gidx)
-        lc_t = _lse_(_load_(buf, teacher, cfg.temperature, m_t).scatter_(1, lidx, -math.inf), shard)[0]
+        xt, offset = _load_(buf, teacher, cfg.temperature, m_t)
+        lc_t = _lse_(xt.scatter_(1, lidx, -math.inf), shard, offset)[0]
         lse_t = torch.logsumexp(torch.cat([lc_t[:, None], vals], 1), 1)  # non-candidates + candidates
         a = vals - lse_t[:, None]
         if cfg.top_p is None:
@@ -389,7 +403,8 @@ def _sparse_forward_chunk(student, teacher, buf, cfg: _Cfg, shard: Shard, cd, wa
     sv = torch.where(keep, _scaled(sv - m_s[:, None], cfg.temperature), neg_inf)
     a_kept = torch.where(keep, a, neg_inf)
     if need_s:
-        lns, lns_loc, _ = _lse_(_load_(buf, student, cfg.temperature, m_s).scatter_(1, lidx, -math.inf), shard)
+        xs, offset = _load_(buf, student, cfg.temperature, m_s)
+        lns, lns_loc, _ = _lse_(xs.scatter_(1, lidx, -math.inf), shard, offset)
         lse_s = torch.logsumexp(torch.cat([lns[:, None], sv], 1), 1)
         b = sv - lse_s[:, None]
         lr_s = lns - lse_s
