@@ -121,6 +121,10 @@ def build(spec: Qwen3Spec, *, params_dtype=torch.float32, init: bool = True, rec
     )
     if not init:
         _mark_tp_attributes(model)
+    if params_dtype != torch.float32:
+        # Why: megatron leaves the torch RMSNorm weights in fp32; its training wraps the model in Float16Module,
+        # which casts every parameter. The same here, so a bf16 build, a cast teacher and the megatron path agree.
+        model.to(params_dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     model.kdexp_spec = spec
