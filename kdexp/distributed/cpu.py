@@ -22,11 +22,6 @@ runs forward and backward on CPU over gloo once exactly three assumptions are an
    state next to the CPU one (tensor_parallel/random._get_all_rng_states / _set_all_rng_states). Without CUDA there
    is no CUDA generator: the CPU state and the tracker's states (ours, on the CPU generator) are all there is, so the
    CUDA part becomes an empty placeholder and its restore a no-op.
-5. Sequence parallelism (parallel.sequence): gloo has no reduce_scatter. megatron's two call sites (the
-   tensor_parallel mappings and the SP linear layers' backward, both through a module-level
-   ``dist_reduce_scatter_func``) get :func:`_gloo_reduce_scatter_tensor`: an all_reduce then this rank's slice of
-   dim 0, the same numbers at twice the traffic (CPU tests only; NCCL's reduce_scatter is used on GPUs).
-
 Nothing here touches torch or megatron when ``torch.cuda.is_available()`` is True. :func:`apply` is idempotent.
 """
 
@@ -64,26 +59,6 @@ def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
 
 def _no_cuda_rng_restore(*args, **kwargs) -> None:
     return None
-
-
-class _DoneWork:
-    """What an async collective returns, for one that already ran synchronously."""
-
-    def wait(self, *args, **kwargs) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-def _gloo_reduce_scatter_tensor(output, input, op=None, group=None, async_op=False):
-    """torch.distributed.reduce_scatter_tensor for gloo: sum `input` over `group`, keep this rank's dim-0 chunk."""
-    import torch.distributed as dist
-
-    total = input.detach().clone()
-    dist.all_reduce(total, op=op or dist.ReduceOp.SUM, group=group)
-    output.copy_(total.chunk(dist.get_world_size(group), dim=0)[dist.get_rank(group)])
-    return _DoneWork() if async_op else None
 
 
 def _make_tracker_class():
@@ -147,14 +122,10 @@ def apply() -> bool:
         mod.get_default_causal_mask = _cpu_default_causal_mask
         mod.get_sliding_window_causal_mask = _cpu_sliding_window_causal_mask
 
-    from megatron.core.tensor_parallel import layers as tp_layers
-    from megatron.core.tensor_parallel import mappings as tp_mappings
     from megatron.core.tensor_parallel import random as mp_random
 
     mp_random._get_cuda_rng_state = _no_cuda_rng_state
     mp_random._set_cuda_rng_state = _no_cuda_rng_restore
-    for mod in (tp_mappings, tp_layers):
-        mod.dist_reduce_scatter_func = _gloo_reduce_scatter_tensor
 
     _install_tracker()
     _APPLIED = True
