@@ -20,7 +20,7 @@ from kdexp import distributed, models
 from kdexp.config.checks import accumulation_steps
 from kdexp.data import batches, prepare
 from kdexp.track.metrics import IntervalMeter, MetricsFile, Progress, console_line, eval_line
-from kdexp.train import checkpoint, objectives, optim
+from kdexp.train import checkpoint, megatron_optim, objectives, optim
 from kdexp.train.step import NonFiniteGuard, apply_update, evaluate, optimizer_tensors, train_step
 from kdexp.train.teacher import get_teacher
 
@@ -99,8 +99,11 @@ def setup(cfg) -> Setup:
     distributed.reseed(t.seed)  # the student's init must not depend on whether the teacher was just trained
     student = build_student(cfg, data.vocab_size)
     student.train()
-    opt = optim.make_optimizer(student, lr=t.lr, weight_decay=t.weight_decay,
-                               master_weights=t.precision == "bf16")
+    if megatron_optim.uses_megatron(t.optimizer):  # DDP + megatron's (distributed) optimizer, on CUDA
+        opt = megatron_optim.MegatronOptimizer(student, t)
+    else:
+        opt = optim.make_optimizer(student, lr=t.lr, weight_decay=t.weight_decay,
+                                   master_weights=t.precision == "bf16")
     balancer = objectives.build_balancer(cfg.balancer)
     return Setup(data=data, teacher=teacher, student=student, optimizer=opt, balancer=balancer,
                  accumulation=accumulation, global_batch=global_batch)
@@ -167,10 +170,14 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
             lr = optim.lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup=t.warmup_steps, total=t.max_steps)
             optim.set_lr(opt, lr)
             opt.zero_grad(set_to_none=True)
-            parts = train_step(student, teacher, batch, s.balancer, cfg, needs_lm)
-            grads = optim.grad_params(student, opt)
-            optim.average_gradients(grads)  # once per global batch, in fp32 (the masters' grads) under bf16
-            parts["train/grad_norm"] = optim.clip_gradients(grads, t.grad_clip)
+            parts = train_step(student, teacher, batch, s.balancer, cfg, needs_lm,
+                               micro_context=getattr(opt, "micro_context", None))
+            if isinstance(opt, megatron_optim.MegatronOptimizer):
+                parts["train/grad_norm"] = opt.reduce_and_clip().to(st.device)
+            else:
+                grads = optim.grad_params(student, opt)
+                optim.average_gradients(grads)  # once per global batch, in fp32 (the masters' grads) under bf16
+                parts["train/grad_norm"] = optim.clip_gradients(grads, t.grad_clip)
             finite = guard.check_step(done, parts["train/loss"], parts["train/grad_norm"],
                                       metrics=_final(last_train, last_eval), checkpoint=saved)
             apply_update(opt, finite)

@@ -7,6 +7,7 @@ written to a checkpoint are checked too, so a diverged run never saves non-finit
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from typing import Iterable, Optional
@@ -39,7 +40,8 @@ def _micro_step(student, teacher, batch, balancer, cfg, needs_lm: bool, denom) -
             "train/kd_loss": kd.detach(), **{f"train/{k}": v for k, v in stats.items()}}
 
 
-def train_step(student, teacher, micro_batches, balancer, cfg, needs_lm: bool) -> dict[str, torch.Tensor]:
+def train_step(student, teacher, micro_batches, balancer, cfg, needs_lm: bool,
+               micro_context=None) -> dict[str, torch.Tensor]:
     """Forward both models, the balanced loss and backward for each micro-batch of one global batch (gradients
     accumulate in .grad); the detached parts of the global batch for logging (no host sync).
 
@@ -47,14 +49,17 @@ def train_step(student, teacher, micro_batches, balancer, cfg, needs_lm: bool) -
     micro-batches' parts add up to the global-batch means and the accumulated gradient is the gradient of the
     global-batch loss: micro 2 x 4 accumulation steps is micro 8 x 1. (The dynamic balancer's LM/KD ratio is taken
     per micro-batch, as ModelOpt's is under megatron.) With DP > 1 the logged parts are the average over the
-    data-parallel ranks (one small all_reduce), i.e. the values of the whole global batch."""
+    data-parallel ranks (one small all_reduce), i.e. the values of the whole global batch. `micro_context(i, n)`:
+    a context for micro-batch i of n (megatron DDP's no_sync for all but the last)."""
     if isinstance(micro_batches, dict):
         micro_batches = [micro_batches]
     st = distributed.state()
     denom = objectives.token_share(micro_batches, distributed.dp_group(), st.dp_size)
     parts: dict[str, torch.Tensor] = {}
-    for batch in micro_batches:
-        for key, value in _micro_step(student, teacher, batch, balancer, cfg, needs_lm, denom).items():
+    for i, batch in enumerate(micro_batches):
+        with micro_context(i, len(micro_batches)) if micro_context else contextlib.nullcontext():
+            micro = _micro_step(student, teacher, batch, balancer, cfg, needs_lm, denom)
+        for key, value in micro.items():
             parts[key] = parts[key] + value if key in parts else value
     if st.dp_size > 1:
         keys = list(parts)
