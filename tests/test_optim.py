@@ -217,10 +217,10 @@ def test_megatron_optimizer_config_is_the_torch_adamw_and_its_decay_groups(lone_
     model = _tiny_bf16_model()
     ddp = DistributedDataParallel(config=model.config, ddp_config=megatron_optim.ddp_config(t), module=model)
     groups = mopt._get_param_groups([ddp], cfg, None)
-    no_decay = {id(p) for g in groups if g.get("wd_mult", 1.0) == 0.0 or g.get("weight_decay", 1.0) == 0.0
-                for p in g["params"]}
+    megatron_optim.apply_weight_decay(groups, t.weight_decay)  # what the CUDA path does to its optimizer's groups
+    decay_of = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
     for name, p in model.named_parameters():
-        assert (id(p) not in no_decay) == optim.decays(name, p), name
+        assert decay_of[id(p)] == (0.1 if optim.decays(name, p) else 0.0), name
 
 
 class _CpuDevice:

@@ -61,6 +61,13 @@ def ddp_config(t):
                                          check_for_nan_in_grad=False)  # kdexp's NonFiniteGuard decides
 
 
+def apply_weight_decay(param_groups: list[dict], weight_decay: float) -> None:
+    """megatron marks the no-decay groups (norms, biases: 1-D) with wd_mult=0 and leaves the product to its
+    OptimizerParamScheduler, which kdexp does not use (its lr schedule is kdexp.train.optim.lr_at): set it here."""
+    for group in param_groups:
+        group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
+
+
 class MegatronOptimizer:
     """The student wrapped in megatron's DDP and its optimizer, behind the few calls the loop makes."""
 
@@ -71,6 +78,7 @@ class MegatronOptimizer:
         dtype = next(student.parameters()).dtype
         self.ddp = DistributedDataParallel(config=student.config, ddp_config=ddp_config(t), module=student)
         self.inner = get_megatron_optimizer(optimizer_config(t, dtype), [self.ddp])
+        apply_weight_decay(self.inner.param_groups, t.weight_decay)
         self.distributed = t.distributed_optimizer
         self.clip = t.grad_clip
 
