@@ -102,8 +102,10 @@ def setup(cfg) -> Setup:
     if megatron_optim.uses_megatron(t.optimizer):  # DDP + megatron's (distributed) optimizer, on CUDA
         opt = megatron_optim.MegatronOptimizer(student, t)
     else:
+        # fp32 masters whenever the weights are not fp32 (precision=bf16, or model.params_dtype=bfloat16), as
+        # megatron's optimizer does on the CUDA path
         opt = optim.make_optimizer(student, lr=t.lr, weight_decay=t.weight_decay,
-                                   master_weights=t.precision == "bf16")
+                                   master_weights=student_dtype(cfg) != torch.float32)
     balancer = objectives.build_balancer(cfg.balancer)
     return Setup(data=data, teacher=teacher, student=student, optimizer=opt, balancer=balancer,
                  accumulation=accumulation, global_batch=global_batch)
