@@ -107,6 +107,13 @@ BAD = [
     (["trainer.log_interval=0"], "trainer.log_interval", ">= 1"),
     (["trainer.checkpoint_interval=-3"], "trainer.checkpoint_interval", ">= 1"),
     (["trainer.skip_nonfinite=-1"], "trainer.skip_nonfinite", ">= 0"),
+    (["trainer.global_batch_size=6"], "trainer.global_batch_size=6", r"multiple of .* = 4 x 1 = 4$"),
+    (["trainer.global_batch_size=0"], "trainer.global_batch_size", ">= 1"),
+    (["trainer.precision=fp16"], "trainer.precision", "fp32, bf16"),
+    (["trainer.recompute=some"], "trainer.recompute", "none, selective, full"),
+    (["trainer.optimizer=sgd"], "trainer.optimizer", "auto, torch, megatron"),
+    (["trainer.optimizer=torch", "trainer.distributed_optimizer=true"], "trainer.distributed_optimizer",
+     "needs the megatron optimizer"),
     (["trainer.lr=${{trainer.nothing}}"], "trainer.lr='${trainer.nothing}' is invalid", "Interpolation key"),
     # data
     (["data.name=web"], "data.name", "stdlib, indexed"),
@@ -155,6 +162,10 @@ BAD = [
     (["parallel.tensor=3"], "parallel.tensor", "teacher's 4 attention heads"),
     (["parallel.tensor=0"], "parallel.tensor", ">= 1"),
     (["parallel.pipeline=2"], "parallel.pipeline", "must be 1"),
+    (["parallel.sequence=true"], "parallel.sequence", "needs parallel.tensor > 1"),
+    (["parallel.tensor=2", "parallel.sequence=true", "trainer.seq_length=255"], "parallel.sequence",
+     "seq_length=255 divisible by parallel.tensor=2"),
+    (["parallel.tensor=2", "parallel.sequence=true"], "parallel.sequence", "not supported yet: .* Transformer Engine"),
     # logger, paths
     (["logger.wandb.mode=sometimes"], "logger.wandb.mode", "online, offline, disabled, null"),
     (["logger=none", "logger.wandb.mode=online"], "logger.wandb.mode", "W&B is off .* would be ignored"),
@@ -202,7 +213,7 @@ def test_the_table_holds_every_rule_family():
     schema = OmegaConf.structured(KdexpConfig)
     for group in ("trainer", "data", "model"):  # every key of these groups has a bad case in the table
         for name in schema[group]:
-            if name not in ("reuse_finished", "export_hf"):  # booleans: a wrong type fails at compose
+            if name not in ("reuse_finished", "export_hf", "distributed_optimizer"):  # booleans: a wrong type fails at compose
                 assert f"{group}.{name}" in keys, f"{group}.{name}"
 
 
@@ -241,6 +252,17 @@ def test_tensor_parallel_must_divide_the_world_size(monkeypatch):
         monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=r"must divide the world size 3 \(launched by slurm\)$"):
         validate(cfg_of("parallel.tensor=2"))
+
+
+def test_global_batch_must_divide_by_micro_times_data_parallel(monkeypatch):
+    validate(cfg_of("trainer.global_batch_size=16"))  # 4 accumulation steps of micro 4 on one rank
+    monkeypatch.setenv("WORLD_SIZE", "4")  # TP=2 x DP=2: micro 4 x DP 2 = 8 samples per accumulation step
+    validate(cfg_of("parallel.tensor=2", "trainer.global_batch_size=16"))
+    with pytest.raises(ValueError, match=r"^trainer.global_batch_size=12 is invalid: .* = 4 x 2 = 8$"):
+        validate(cfg_of("parallel.tensor=2", "trainer.global_batch_size=12"))
+    from kdexp.config.checks import accumulation_steps
+
+    assert accumulation_steps(None, 4, 2) == 1 and accumulation_steps(32, 4, 2) == 4 and accumulation_steps(8, 8, 1) == 1
 
 
 def test_removed_modelopt_keys_point_to_alpha():

@@ -145,3 +145,106 @@ def test_tensor_parallel_clipping_counts_shards_once_each_and_replicas_once():
     torch.testing.assert_close(g1[0], torch.tensor([12.0, 0.0]) * scale)
     torch.testing.assert_close(g0[1], torch.tensor([0.0, 84.0]) * scale)
     torch.testing.assert_close(g1[1], g0[1])  # replicas stay identical
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the megatron path (kdexp.train.megatron_optim) against the torch path, as far as the CPU lets megatron run: its DDP
+# runs here (grad buffers, no_sync, finish_grad_sync); its optimizers allocate on 'cuda' literally and do not
+
+def _tiny_bf16_model(seed=7):
+    from test_mixed import _spec
+
+    from kdexp import models
+
+    kd.reseed(seed)
+    return models.build(_spec(), params_dtype=torch.bfloat16)
+
+
+def _trainer(**kw):
+    from types import SimpleNamespace
+
+    base = dict(lr=1e-3, min_lr=1e-4, weight_decay=0.1, grad_clip=1.0, distributed_optimizer=False)
+    return SimpleNamespace(**{**base, **kw})
+
+
+def test_megatron_path_is_taken_on_cuda_only(lone_process):
+    from kdexp.train import megatron_optim
+
+    assert not torch.cuda.is_available()  # this suite runs on CPU machines
+    assert megatron_optim.uses_megatron("auto") is False and megatron_optim.uses_megatron("torch") is False
+    with pytest.raises(ValueError, match="trainer.optimizer='megatron' is invalid here: .* need CUDA"):
+        megatron_optim.uses_megatron("megatron")
+
+
+def test_megatron_ddp_accumulates_the_same_fp32_grads_as_master_adamw(lone_process):
+    """Two micro-batches (the first under no_sync): megatron's fp32 main_grad buffers hold exactly the fp32 master
+    grads MasterAdamW accumulates from the same bf16 backward passes."""
+    from megatron.core.distributed import DistributedDataParallel
+    from test_mixed import _lm_backward, _tokens
+
+    from kdexp.train import megatron_optim
+
+    ours = _tiny_bf16_model()
+    opt = optim.make_optimizer(ours, lr=1e-3, weight_decay=0.1, master_weights=True)
+    theirs = _tiny_bf16_model()
+    ddp = DistributedDataParallel(config=theirs.config, ddp_config=megatron_optim.ddp_config(_trainer()),
+                                  module=theirs)
+    ddp.zero_grad_buffer()
+    for i, seed in enumerate((0, 1)):
+        _lm_backward(ours, _tokens(seed))
+        with ddp.no_sync() if i == 0 else megatron_optim.contextlib.nullcontext():
+            _lm_backward(ddp, _tokens(seed))
+    ddp.finish_grad_sync()
+    for (name, p), master in zip(theirs.named_parameters(), opt.master_params):
+        assert p.main_grad.dtype == torch.float32 and master.grad.dtype == torch.float32
+        assert torch.equal(p.main_grad, master.grad), name
+
+
+def test_megatron_optimizer_config_is_the_torch_adamw_and_its_decay_groups(lone_process):
+    from megatron.core import optimizer as mopt
+    from megatron.core.distributed import DistributedDataParallel
+
+    from kdexp.train import megatron_optim
+
+    t = _trainer()
+    cfg = megatron_optim.optimizer_config(t, torch.bfloat16)
+    assert (cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps) == (*optim.BETAS, optim.EPS)
+    assert (cfg.lr, cfg.min_lr, cfg.weight_decay, cfg.clip_grad) == (1e-3, 1e-4, 0.1, 1.0)
+    assert cfg.bf16 and cfg.decoupled_weight_decay and cfg.main_params_dtype == torch.float32
+    assert cfg.exp_avg_dtype == cfg.exp_avg_sq_dtype == cfg.main_grads_dtype == torch.float32
+    # without TE/apex megatron's Adam is torch's AdamW, the class MasterAdamW steps with (GPUs get FusedAdam)
+    assert mopt.Adam is torch.optim.AdamW and issubclass(optim.MasterAdamW, torch.optim.AdamW)
+    model = _tiny_bf16_model()
+    ddp = DistributedDataParallel(config=model.config, ddp_config=megatron_optim.ddp_config(t), module=model)
+    groups = mopt._get_param_groups([ddp], cfg, None)
+    megatron_optim.apply_weight_decay(groups, t.weight_decay)  # what the CUDA path does to its optimizer's groups
+    decay_of = {id(p): g["weight_decay"] for g in groups for p in g["params"]}
+    for name, p in model.named_parameters():
+        assert decay_of[id(p)] == (0.1 if optim.decays(name, p) else 0.0), name
+
+
+class _CpuDevice:
+    """torch, with megatron clip_grads' literal device='cuda' read as the CPU (test only)."""
+
+    def __getattr__(self, name):
+        fn = getattr(torch, name)
+        if name in ("zeros", "tensor"):
+            return lambda *a, device=None, **k: fn(*a, **k)
+        return fn
+
+
+def test_megatron_grad_norm_and_clip_coefficient_match_ours(lone_process, monkeypatch):
+    from megatron.core import utils as mutils
+    from megatron.core.optimizer import clip_grads
+
+    for module in (clip_grads, mutils):  # get_grad_norm_fp32 and its local multi-tensor l2 norm
+        monkeypatch.setattr(module, "torch", _CpuDevice())
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(5, 7, generator=g), torch.randn(11, generator=g), torch.randn(3, 2, 2, generator=g)]
+    theirs = clip_grads.get_grad_norm_fp32([x.clone() for x in grads])
+    model = _with_grads(*grads)
+    ours = optim.clip_gradients(model, 0.5)
+    assert float(ours) == pytest.approx(theirs, rel=1e-6)
+    coeff = 0.5 / (theirs + 1.0e-6)  # clip_grad_by_total_norm_fp32's formula (it asserts CUDA tensors to run)
+    for p, x in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, x * coeff, rtol=1e-6, atol=0)

@@ -175,6 +175,11 @@ COMMANDS: dict[str, How] = {
     "python -m kdexp.run model=qwen3 model.teacher_path=/ckpt/Qwen3-1.7B model.student_path=/ckpt/Qwen3-0.6B "
     "data=indexed data.prefixes=[/data/corpus_text_document] data.tokenizer=/ckpt/Qwen3-1.7B parallel.tensor=8":
         How("composed", "needs the Qwen3 checkpoints, an indexed corpus and 8 GPUs"),
+    "python -m kdexp.run model=qwen3 model.teacher_path=/ckpt/Qwen3-1.7B model.student_path=/ckpt/Qwen3-0.6B "
+    "data=indexed data.prefixes=[/data/corpus_text_document] data.tokenizer=/ckpt/Qwen3-1.7B trainer.seq_length=4096 "
+    "trainer.micro_batch_size=2 trainer.global_batch_size=256 trainer.precision=bf16 trainer.recompute=selective "
+    "trainer.distributed_optimizer=true":
+        How("composed", "needs the Qwen3 checkpoints, an indexed corpus and 8 GPUs"),
     "python -m kdexp.run loss=top_p loss.top_p=0.9 -m balancer.alpha=0.5,0.9,1.0": How(
         "covered", "tests/test_cli.py::test_readme_sweep_line_verbatim"),
     "python -m kdexp.run -m loss=topk,top_p balancer.alpha=0.5,1.0 hydra/launcher=local_cpu": How(

@@ -16,6 +16,58 @@ from kdexp.config.sources import check_data, check_model, check_tokenizer, shape
 from kdexp.losses.options import BalancerOptions, KDLossOptions
 
 
+PRECISIONS = ("fp32", "bf16")
+RECOMPUTE = ("none", "selective", "full")
+OPTIMIZERS = ("auto", "torch", "megatron")
+
+
+def accumulation_steps(global_batch_size: Optional[int], micro_batch_size: int, dp_size: int) -> int:
+    """Micro-batches per optimizer step on each DP rank: global / (micro x DP); None = 1. The one rule for
+    trainer.global_batch_size, checked by validate (when the world size is known there) and by the trainer."""
+    if global_batch_size is None:
+        return 1
+    integer("trainer.global_batch_size", global_batch_size, ge=1, none_ok=True)
+    per_step = micro_batch_size * dp_size
+    if global_batch_size % per_step:
+        fail("trainer.global_batch_size", global_batch_size,
+             f"must be a multiple of trainer.micro_batch_size x data-parallel size = {micro_batch_size} x {dp_size}"
+             f" = {per_step}")
+    return global_batch_size // per_step
+
+
+def _world_size() -> Optional[int]:
+    """The launcher's world size (kdexp.distributed.launch: torchrun, submitit, an srun step); None for a lone
+    process, e.g. one printing or planning a TP=2 run."""
+    job = launch.launch_env()
+    return None if job.source == "local" else job.world_size
+
+
+def _check_scale(cfg: Any) -> None:
+    t, tp = cfg.trainer, cfg.parallel.tensor
+    world = _world_size()
+    accumulation_steps(t.global_batch_size, t.micro_batch_size, world // tp if world and world % tp == 0 else 1)
+    choice("trainer.precision", t.precision, PRECISIONS)
+    choice("trainer.recompute", t.recompute, RECOMPUTE)
+    choice("trainer.optimizer", t.optimizer, OPTIMIZERS)
+    for key in ("distributed_optimizer",):
+        if not isinstance(getattr(t, key), bool):
+            fail(f"trainer.{key}", getattr(t, key), "must be true or false")
+    if t.distributed_optimizer and t.optimizer == "torch":
+        fail("trainer.distributed_optimizer", True, "needs the megatron optimizer (trainer.optimizer=auto on CUDA, "
+             "or megatron); trainer.optimizer=torch has no sharded optimizer state")
+    if not isinstance(cfg.parallel.sequence, bool):
+        fail("parallel.sequence", cfg.parallel.sequence, "must be true or false")
+    if cfg.parallel.sequence and tp == 1:
+        fail("parallel.sequence", True, "needs parallel.tensor > 1 (sequence parallelism shards over the TP group)")
+    if cfg.parallel.sequence and t.seq_length % tp:
+        fail("parallel.sequence", True, f"needs trainer.seq_length={t.seq_length} divisible by parallel.tensor={tp}")
+    if cfg.parallel.sequence:
+        # megatron's local layer spec (the one kdexp builds: no Transformer Engine) has torch RMSNorm, which
+        # megatron refuses under sequence parallelism (its norm weights' TP gradient reduction lives in TE's norms)
+        fail("parallel.sequence", True, "is not supported yet: kdexp builds megatron's local layer spec, whose torch "
+             "RMSNorm megatron-core 0.16 refuses with sequence_parallel (it needs Transformer Engine's norms)")
+
+
 def _check_trainer(t: Any, max_positions: int) -> None:
     for key in ("max_steps", "micro_batch_size", "seq_length", "eval_interval", "eval_iters", "log_interval",
                 "checkpoint_interval"):
@@ -49,9 +101,9 @@ def _check_parallel(cfg: Any, sizes: dict, vocab: Optional[int]) -> None:
                 fail("parallel.tensor", tp, f"must divide the {role}'s {n} {what}")
     if vocab is not None and vocab % tp:
         fail("parallel.tensor", tp, f"must divide the vocabulary size {vocab}")
-    job = launch.launch_env()  # a lone process (e.g. printing or planning a TP=2 run) has no world size to check
-    if job.source != "local" and job.world_size % tp:
-        fail("parallel.tensor", tp, f"must divide the world size {job.world_size} (launched by {job.source})")
+    world = _world_size()
+    if world and world % tp:
+        fail("parallel.tensor", tp, f"must divide the world size {world} (launched by {launch.launch_env().source})")
 
 
 _WANDB_MODES = ("online", "offline", "disabled", None)
@@ -101,5 +153,6 @@ def validate(cfg: Any) -> None:
     BalancerOptions.from_config(cfg.balancer).check(prefix="balancer.")
     _check_trainer(cfg.trainer, min(s[3] for s in sizes.values()))
     _check_parallel(cfg, sizes, teacher_vocab)
+    _check_scale(cfg)
     _check_logger(cfg)
     _check_paths(cfg)

@@ -59,6 +59,9 @@ class DataConfig:
 class TrainerConfig:
     max_steps: int = 200
     micro_batch_size: int = 4
+    # Samples per optimizer step over all data-parallel ranks; None = micro_batch_size x DP (no accumulation). Else a
+    # multiple of micro_batch_size x DP: global / (micro x DP) micro-batches are accumulated per step.
+    global_batch_size: Optional[int] = None
     seq_length: int = 256
     lr: float = 2e-3
     min_lr: float = 2e-4
@@ -73,12 +76,18 @@ class TrainerConfig:
     skip_nonfinite: int = 0  # non-finite steps to skip (no update) before the run stops as diverged
     reuse_finished: bool = True  # in a sweep, a point whose resolved config already finished is not retrained
     export_hf: bool = False  # at the end, write the distilled student as a Hugging Face checkpoint (run_dir/student_hf)
+    # fp32 | bf16: bf16 = bf16 student weights/activations with fp32 master weights, grads and AdamW state; bf16 teacher
+    precision: str = "fp32"
+    recompute: str = "none"  # activation recompute: none | selective (core attention) | full (every layer)
+    optimizer: str = "auto"  # auto (megatron on CUDA, torch on CPU) | torch | megatron (DDP + get_megatron_optimizer)
+    distributed_optimizer: bool = False  # megatron optimizer only: shard the fp32 master weights and AdamW state (ZeRO-1)
 
 
 @dataclass
 class ParallelConfig:
     tensor: int = 1
     pipeline: int = 1
+    sequence: bool = False  # megatron sequence parallelism (activations sharded over the TP group); needs tensor > 1
 
 
 @dataclass

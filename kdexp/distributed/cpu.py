@@ -18,6 +18,10 @@ runs forward and backward on CPU over gloo once exactly three assumptions are an
    is built with ``device="cuda"`` when no attention mask is passed. kdexp.models always passes an explicit mask;
    the patch makes an accidental ``attention_mask=None`` correct instead of a crash.
 
+4. Activation recompute (trainer.recompute): megatron's CheckpointFunction saves and restores the CUDA generator's
+   state next to the CPU one (tensor_parallel/random._get_all_rng_states / _set_all_rng_states). Without CUDA there
+   is no CUDA generator: the CPU state and the tracker's states (ours, on the CPU generator) are all there is, so the
+   CUDA part becomes an empty placeholder and its restore a no-op.
 Nothing here touches torch or megatron when ``torch.cuda.is_available()`` is True. :func:`apply` is idempotent.
 """
 
@@ -47,6 +51,14 @@ def _cpu_sliding_window_causal_mask(sq, skv, window_size):
     m = torch.ones(sq, skv, dtype=torch.bool)
     mu = torch.triu(m, diagonal=skv - sq - window_size[0])
     return ~torch.tril(mu, diagonal=skv - sq + window_size[1])
+
+
+def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _no_cuda_rng_restore(*args, **kwargs) -> None:
+    return None
 
 
 def _make_tracker_class():
@@ -109,6 +121,11 @@ def apply() -> bool:
     for mod in (tf_utils, fused_softmax):
         mod.get_default_causal_mask = _cpu_default_causal_mask
         mod.get_sliding_window_causal_mask = _cpu_sliding_window_causal_mask
+
+    from megatron.core.tensor_parallel import random as mp_random
+
+    mp_random._get_cuda_rng_state = _no_cuda_rng_state
+    mp_random._set_cuda_rng_state = _no_cuda_rng_restore
 
     _install_tracker()
     _APPLIED = True

@@ -35,12 +35,29 @@ def check_tp(spec: Qwen3Spec, tp: int) -> None:
             raise ValueError(f"parallel.tensor={tp} must divide model.{what}={n}")
 
 
-def transformer_config(spec: Qwen3Spec, *, params_dtype=torch.float32, tp: int = 1, init: bool = True):
+# trainer.recompute -> megatron's activation recompute settings. selective: the core attention (softmax(QK^T)V, the
+# activation that grows with seq^2) is recomputed in the backward; full: each layer's input is the only activation
+# kept and the whole layer runs again in the backward (uniform, one layer per checkpoint).
+RECOMPUTE = {
+    "none": {},
+    "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
+
+
+def transformer_config(spec: Qwen3Spec, *, params_dtype=torch.float32, tp: int = 1, init: bool = True,
+                       recompute: str = "none", sequence_parallel: bool = False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if params_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"params_dtype must be float32, bfloat16 or float16, got {params_dtype}")
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"trainer.recompute={recompute!r} is invalid: must be one of {', '.join(RECOMPUTE)}")
+    if sequence_parallel and tp == 1:
+        raise ValueError("parallel.sequence=True is invalid: needs parallel.tensor > 1")
     return TransformerConfig(
+        **RECOMPUTE[recompute],
+        sequence_parallel=sequence_parallel,
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.intermediate_size,
@@ -74,18 +91,21 @@ def transformer_config(spec: Qwen3Spec, *, params_dtype=torch.float32, tp: int =
     )
 
 
-def build(spec: Qwen3Spec, *, params_dtype=torch.float32, init: bool = True):
+def build(spec: Qwen3Spec, *, params_dtype=torch.float32, init: bool = True, recompute: str = "none",
+          sequence_parallel: bool = False):
     """A megatron GPTModel with Qwen3's architecture, sharded for the current tensor-parallel size.
 
     kdexp.distributed.initialize() must have been called. `init=False` leaves weights unset (load_hf fills them).
-    The spec is kept on the model as `model.kdexp_spec`.
+    The spec is kept on the model as `model.kdexp_spec`. `recompute` (none | selective | full) and
+    `sequence_parallel` go to megatron's TransformerConfig (see RECOMPUTE).
     """
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     tp = _tp_size()
     check_tp(spec, tp)
-    config = transformer_config(spec, params_dtype=params_dtype, tp=tp, init=init)
+    config = transformer_config(spec, params_dtype=params_dtype, tp=tp, init=init, recompute=recompute,
+                                sequence_parallel=sequence_parallel)
     layer_spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
     model = GPTModel(
         config=config,
@@ -101,9 +121,32 @@ def build(spec: Qwen3Spec, *, params_dtype=torch.float32, init: bool = True):
     )
     if not init:
         _mark_tp_attributes(model)
+    if params_dtype != torch.float32:
+        # Why: megatron leaves the torch RMSNorm weights in fp32; its training wraps the model in Float16Module,
+        # which casts every parameter. The same here, so a bf16 build, a cast teacher and the megatron path agree.
+        model.to(params_dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     model.kdexp_spec = spec
+    return model
+
+
+def cast(model, dtype):
+    """Cast a built model in place to `dtype` (bf16 teacher of a trainer.precision=bf16 run), megatron's precision
+    flags included: its attention softmax keeps fp32 for bf16/fp16 inputs only when the config and the softmax
+    module (built with the flags at init) say so. The rotary inverse frequencies are a plain attribute, not a
+    buffer, so they stay fp32 as in a model built in bf16."""
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+
+    model.to(dtype)
+    half = {"bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16}
+    for mod in model.modules():
+        config = getattr(mod, "config", None)
+        if config is not None and hasattr(config, "params_dtype"):
+            config.params_dtype, config.bf16, config.fp16 = dtype, half["bf16"], half["fp16"]
+        if isinstance(mod, FusedScaleMaskSoftmax):
+            mod.input_in_bf16, mod.input_in_fp16 = half["bf16"], half["fp16"]
+            mod.input_in_float16 = half["bf16"] or half["fp16"]
     return model
 
 

@@ -127,13 +127,15 @@ def read_config(path) -> dict:
     return json.loads(cfg_path.read_text())
 
 
-def load_hf(path, *, params_dtype=torch.float32):
-    """Build a GPTModel from a local HF Qwen3 checkpoint dir, sharded for the current TP size (reads only its shard)."""
+def load_hf(path, *, params_dtype=torch.float32, **build_kwargs):
+    """Build a GPTModel from a local HF Qwen3 checkpoint dir, sharded for the current TP size (reads only its shard).
+
+    `build_kwargs` (recompute, sequence_parallel) go to kdexp.models.build."""
     from megatron.core import parallel_state as ps
 
     path = Path(path)
     spec = spec_from_hf(read_config(path))
-    model = build(spec, params_dtype=params_dtype, init=False)
+    model = build(spec, params_dtype=params_dtype, init=False, **build_kwargs)
     rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     ckpt = _Checkpoint(path)
     with torch.no_grad():

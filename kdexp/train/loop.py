@@ -17,9 +17,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from kdexp import distributed, models
+from kdexp.config.checks import accumulation_steps
 from kdexp.data import batches, prepare
 from kdexp.track.metrics import IntervalMeter, MetricsFile, Progress, console_line, eval_line
-from kdexp.train import checkpoint, objectives, optim
+from kdexp.train import checkpoint, megatron_optim, objectives, optim
 from kdexp.train.step import NonFiniteGuard, apply_update, evaluate, optimizer_tensors, train_step
 from kdexp.train.teacher import get_teacher
 
@@ -35,13 +36,19 @@ def add_step_end_hook(hook: Callable[[int], None]) -> Callable[[int], None]:
     return hook
 
 
+def student_dtype(cfg) -> torch.dtype:
+    """trainer.precision=bf16: bf16 weights (fp32 masters in the optimizer); fp32: model.params_dtype as given."""
+    return torch.bfloat16 if cfg.trainer.precision == "bf16" else models.DTYPES[cfg.model.params_dtype]
+
+
 def build_student(cfg, vocab_size: int) -> torch.nn.Module:
-    dtype = models.DTYPES[cfg.model.params_dtype]
+    dtype = student_dtype(cfg)
+    memory = {"recompute": cfg.trainer.recompute, "sequence_parallel": cfg.parallel.sequence}
     if cfg.model.student_path is not None:
-        return models.load_hf(cfg.model.student_path, params_dtype=dtype)
+        return models.load_hf(cfg.model.student_path, params_dtype=dtype, **memory)
     name = cfg.model.student
     spec = models.get_spec(name, vocab_size=vocab_size) if name.startswith("tiny") else models.QWEN3_SIZES[name]
-    return models.build(spec, params_dtype=dtype)
+    return models.build(spec, params_dtype=dtype, **memory)
 
 
 @dataclasses.dataclass
@@ -51,24 +58,57 @@ class Setup:
     student: torch.nn.Module
     optimizer: torch.optim.Optimizer
     balancer: Any
+    accumulation: int = 1  # micro-batches per optimizer step on each rank
+    global_batch: int = 1  # samples per optimizer step over all DP ranks
+
+
+def micro_batches(stream, accumulation: int, micro_batch_size: int, device) -> list[dict]:
+    """The next global batch's share of this rank (one item of `stream`, micro x accumulation contiguous samples),
+    cut into `accumulation` micro-batches in sample order, on the device."""
+    share = objectives.batch_to(next(stream), device)
+    if accumulation == 1:
+        return [share]
+    return [{k: v[i * micro_batch_size:(i + 1) * micro_batch_size] for k, v in share.items()}
+            for i in range(accumulation)]
+
+
+def data_stream(ds, cfg, setup_: "Setup", start_step: int = 0):
+    """This rank's shares of the global batches from step `start_step` on: rank r takes the r-th contiguous slice of
+    micro x accumulation samples of each global batch, so micro 2 x 4 accumulation steps reads exactly the samples
+    micro 8 x 1 reads, on every DP size, and a resume restarts at sample start_step x global batch."""
+    st = distributed.state()
+    return batches(ds, micro_batch_size=cfg.trainer.micro_batch_size * setup_.accumulation, dp_rank=st.dp_rank,
+                   dp_size=st.dp_size, start_sample=start_step * setup_.global_batch)
 
 
 def setup(cfg) -> Setup:
     """Data, the frozen teacher, then (reseeded) the student, its optimizer and the balancer."""
     st = distributed.state()
     t = cfg.trainer
-    global_batch = t.micro_batch_size * st.dp_size
+    accumulation = accumulation_steps(t.global_batch_size, t.micro_batch_size, st.dp_size)
+    global_batch = t.micro_batch_size * st.dp_size * accumulation
     data = prepare(cfg.data, seq_length=t.seq_length, cache_dir=cfg.paths.cache, seed=t.seed,
-                   train_samples=max(t.max_steps, cfg.model.teacher_pretrain_steps) * global_batch,
+                   # the embedded teacher's pretraining reads micro x DP samples per step (no accumulation)
+                   train_samples=max(t.max_steps * global_batch,
+                                     cfg.model.teacher_pretrain_steps * t.micro_batch_size * st.dp_size),
                    val_samples=t.eval_iters * global_batch,
                    tokenizer_path=cfg.data.tokenizer or cfg.model.teacher_path)
     teacher = get_teacher(cfg, data)
+    if t.precision == "bf16" and next(teacher.parameters()).dtype != torch.bfloat16:
+        teacher = models.cast(teacher, torch.bfloat16)  # frozen: no grads, no optimizer state, half the memory
     distributed.reseed(t.seed)  # the student's init must not depend on whether the teacher was just trained
     student = build_student(cfg, data.vocab_size)
     student.train()
-    opt = optim.make_optimizer(student, lr=t.lr, weight_decay=t.weight_decay)
+    if megatron_optim.uses_megatron(t.optimizer):  # DDP + megatron's (distributed) optimizer, on CUDA
+        opt = megatron_optim.MegatronOptimizer(student, t)
+    else:
+        # fp32 masters whenever the weights are not fp32 (precision=bf16, or model.params_dtype=bfloat16), as
+        # megatron's optimizer does on the CUDA path
+        opt = optim.make_optimizer(student, lr=t.lr, weight_decay=t.weight_decay,
+                                   master_weights=student_dtype(cfg) != torch.float32)
     balancer = objectives.build_balancer(cfg.balancer)
-    return Setup(data=data, teacher=teacher, student=student, optimizer=opt, balancer=balancer)
+    return Setup(data=data, teacher=teacher, student=student, optimizer=opt, balancer=balancer,
+                 accumulation=accumulation, global_batch=global_batch)
 
 
 def _final(last_train: dict, last_eval: dict) -> dict:
@@ -83,8 +123,8 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
     st = distributed.state()
     t = cfg.trainer
     rank0 = st.rank == 0
-    global_batch = t.micro_batch_size * st.dp_size
     s = setup(cfg)
+    global_batch = s.global_batch
     student, teacher, opt = s.student, s.teacher, s.optimizer
     needs_lm = s.balancer.needs_lm_loss
     meter = IntervalMeter()
@@ -111,10 +151,11 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
     metrics = MetricsFile(Path(run_dir) / "metrics.jsonl", enabled=rank0, resume_step=start,
                           history=None if source is None else source / "metrics.jsonl")
 
-    val_stream = batches(s.data.val_ds, micro_batch_size=t.micro_batch_size, dp_rank=st.dp_rank, dp_size=st.dp_size)
-    val_batches = [objectives.batch_to(next(val_stream), st.device) for _ in range(t.eval_iters)]
-    stream = batches(s.data.train_ds, micro_batch_size=t.micro_batch_size, dp_rank=st.dp_rank, dp_size=st.dp_size,
-                     start_sample=start * global_batch)
+    # eval_iters global batches (as megatron counts eval iterations), each token-normalised over this rank's share
+    val_stream = data_stream(s.data.val_ds, cfg, s)
+    val_batches = [micro_batches(val_stream, s.accumulation, t.micro_batch_size, st.device)
+                   for _ in range(t.eval_iters)]
+    stream = data_stream(s.data.train_ds, cfg, s, start)
     tokens_per_step = global_batch * t.seq_length
     progress = Progress(t.max_steps, rank0)
     interval_start, interval_steps, run_start = time.perf_counter(), 0, time.perf_counter()
@@ -127,13 +168,18 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
     try:
         for step in range(start, t.max_steps):
             done = step + 1
-            batch = objectives.batch_to(next(stream), st.device)
+            batch = micro_batches(stream, s.accumulation, t.micro_batch_size, st.device)
             lr = optim.lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup=t.warmup_steps, total=t.max_steps)
             optim.set_lr(opt, lr)
             opt.zero_grad(set_to_none=True)
-            parts = train_step(student, teacher, batch, s.balancer, cfg, needs_lm)
-            optim.average_gradients(student)
-            parts["train/grad_norm"] = optim.clip_gradients(student, t.grad_clip)
+            parts = train_step(student, teacher, batch, s.balancer, cfg, needs_lm,
+                               micro_context=getattr(opt, "micro_context", None))
+            if isinstance(opt, megatron_optim.MegatronOptimizer):
+                parts["train/grad_norm"] = opt.reduce_and_clip().to(st.device)
+            else:
+                grads = optim.grad_params(student, opt)
+                optim.average_gradients(grads)  # once per global batch, in fp32 (the masters' grads) under bf16
+                parts["train/grad_norm"] = optim.clip_gradients(grads, t.grad_clip)
             finite = guard.check_step(done, parts["train/loss"], parts["train/grad_norm"],
                                       metrics=_final(last_train, last_eval), checkpoint=saved)
             apply_update(opt, finite)

@@ -4,6 +4,9 @@ The loss and the balancer are built from their config nodes here, each through i
 (`KDLossOptions.from_config(...).kwargs()`, `BalancerOptions.from_config(...).build()`).
 
 Every function takes this rank's vocabulary shard ([b, s, V/tp]) and returns values that are equal on every TP rank.
+Token normalisation follows Megatron: with ``denom`` (see ``token_share``) a micro-batch returns its masked token sum
+over the tokens of the whole global batch, so the values of a step's micro-batches add up to the global-batch mean;
+without it, the micro-batch's own masked mean.
 """
 from __future__ import annotations
 
@@ -20,16 +23,31 @@ def batch_to(batch: dict, device) -> dict:
     return {k: batch[k].to(device, non_blocking=True) for k in ("tokens", "labels", "loss_mask")}
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values.float() * mask).sum() / mask.sum().clamp(min=1.0)
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, denom=None) -> torch.Tensor:
+    """Masked sum over `denom` tokens; None = this batch's own count (its masked mean)."""
+    return (values.float() * mask).sum() / (mask.sum().clamp(min=1.0) if denom is None else denom)
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Vocab-parallel next-token cross-entropy (Megatron's), masked mean over tokens."""
+def token_share(micro_batches: list[dict], group=None, group_size: int = 1) -> torch.Tensor:
+    """This rank's denominator for the token normalisation of one global batch: the loss-mask tokens of all its
+    micro-batches summed over the `group` (the data-parallel ranks), divided by `group_size`.
+
+    Why divided: the gradients are then averaged over the group (as megatron's DDP does), so `group_size` ranks'
+    sums over `tokens / group_size` average to the sum over all tokens of the global batch. With one micro-batch on
+    one rank this is exactly masked_mean's own denominator (the default path's numbers do not move)."""
+    total = torch.stack([b["loss_mask"].sum() for b in micro_batches]).sum()
+    if group_size > 1:
+        dist.all_reduce(total, group=group)
+    total = total.clamp(min=1.0)
+    return total / group_size if group_size > 1 else total
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, denom=None) -> torch.Tensor:
+    """Vocab-parallel next-token cross-entropy (Megatron's), masked mean over tokens (or over `denom`)."""
     x = logits.float()
     if x is logits:  # megatron's cross-entropy works in place; keep the caller's logits intact for the KD loss
         x = logits.clone()
-    return masked_mean(tensor_parallel.vocab_parallel_cross_entropy(x, labels), loss_mask)
+    return masked_mean(tensor_parallel.vocab_parallel_cross_entropy(x, labels), loss_mask, denom)
 
 
 def build_balancer(balancer_cfg):
@@ -37,24 +55,24 @@ def build_balancer(balancer_cfg):
     return BalancerOptions.from_config(balancer_cfg).build()
 
 
-def kd_loss(student: torch.Tensor, teacher: torch.Tensor, loss_mask: torch.Tensor, loss_cfg):
+def kd_loss(student: torch.Tensor, teacher: torch.Tensor, loss_mask: torch.Tensor, loss_cfg, denom=None):
     """Masked-mean KD loss and its masked-mean stats, logged as train/kept_mass (the teacher's mass in the kept set),
     train/ghost_mass (the student's mass outside it: its ghost bucket) and train/nucleus_size."""
     per_token, stats = logits_kd_loss(student, teacher, tp_group=distributed.tp_group(), return_stats=True,
                                       **KDLossOptions.from_config(loss_cfg).kwargs())
-    loss = masked_mean(per_token, loss_mask)
+    loss = masked_mean(per_token, loss_mask, denom)
     return loss, {
-        "kept_mass": masked_mean(stats.teacher_kept_mass, loss_mask),
-        "ghost_mass": masked_mean(stats.student_residual_mass, loss_mask),
-        "nucleus_size": masked_mean(stats.nucleus_size.float(), loss_mask),
+        "kept_mass": masked_mean(stats.teacher_kept_mass, loss_mask, denom),
+        "ghost_mass": masked_mean(stats.student_residual_mass, loss_mask, denom),
+        "nucleus_size": masked_mean(stats.nucleus_size.float(), loss_mask, denom),
     }
 
 
-def full_kl(student: torch.Tensor, teacher: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def full_kl(student: torch.Tensor, teacher: torch.Tensor, loss_mask: torch.Tensor, denom=None) -> torch.Tensor:
     """Full-vocabulary forward KL(teacher || student) at T=1: the eval metric val/kl_to_teacher."""
     per_token = logits_kd_loss(student, teacher, top_k=None, top_p=None, ghost_token=False,
                                tp_group=distributed.tp_group())
-    return masked_mean(per_token, loss_mask)
+    return masked_mean(per_token, loss_mask, denom)
 
 
 def vocab_parallel_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -71,6 +89,6 @@ def vocab_parallel_argmax(logits: torch.Tensor) -> torch.Tensor:
     return candidate
 
 
-def top1_agreement(student: torch.Tensor, teacher: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def top1_agreement(student: torch.Tensor, teacher: torch.Tensor, loss_mask: torch.Tensor, denom=None) -> torch.Tensor:
     same = (vocab_parallel_argmax(student) == vocab_parallel_argmax(teacher)).float()
-    return masked_mean(same, loss_mask)
+    return masked_mean(same, loss_mask, denom)

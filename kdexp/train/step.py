@@ -7,6 +7,7 @@ written to a checkpoint are checked too, so a diverged run never saves non-finit
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from typing import Iterable, Optional
@@ -21,18 +22,17 @@ from kdexp.train.errors import Diverged
 log = logging.getLogger("kdexp")
 
 
-def train_step(student, teacher, batch, balancer, cfg, needs_lm: bool) -> dict[str, torch.Tensor]:
-    """Forward both models, the balanced loss, backward; the detached parts for logging (no host sync)."""
+def _micro_step(student, teacher, batch, balancer, cfg, needs_lm: bool, denom) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         t_logits = models.vocab_parallel_logits(teacher, batch["tokens"])
     s_logits = models.vocab_parallel_logits(student, batch["tokens"])
     mask = batch["loss_mask"]
-    kd, stats = objectives.kd_loss(s_logits, t_logits, mask, cfg.loss)
+    kd, stats = objectives.kd_loss(s_logits, t_logits, mask, cfg.loss, denom)
     if needs_lm:
-        lm = objectives.lm_loss(s_logits, batch["labels"], mask)
+        lm = objectives.lm_loss(s_logits, batch["labels"], mask, denom)
     else:  # alpha == 1: the LM loss stays out of the graph; logged from a detached copy
         with torch.no_grad():
-            lm_logged = objectives.lm_loss(s_logits.detach(), batch["labels"], mask)
+            lm_logged = objectives.lm_loss(s_logits.detach(), batch["labels"], mask, denom)
         lm = None
     total, _ = balancer(lm, kd)
     total.backward()
@@ -40,19 +40,54 @@ def train_step(student, teacher, batch, balancer, cfg, needs_lm: bool) -> dict[s
             "train/kd_loss": kd.detach(), **{f"train/{k}": v for k, v in stats.items()}}
 
 
+def train_step(student, teacher, micro_batches, balancer, cfg, needs_lm: bool,
+               micro_context=None) -> dict[str, torch.Tensor]:
+    """Forward both models, the balanced loss and backward for each micro-batch of one global batch (gradients
+    accumulate in .grad); the detached parts of the global batch for logging (no host sync).
+
+    Every loss and stat is a token sum over the tokens of the whole global batch (objectives.token_share), so the
+    micro-batches' parts add up to the global-batch means and the accumulated gradient is the gradient of the
+    global-batch loss: micro 2 x 4 accumulation steps is micro 8 x 1. (The dynamic balancer's LM/KD ratio is taken
+    per micro-batch, as ModelOpt's is under megatron.) With DP > 1 the logged parts are the average over the
+    data-parallel ranks (one small all_reduce), i.e. the values of the whole global batch. `micro_context(i, n)`:
+    a context for micro-batch i of n (megatron DDP's no_sync for all but the last)."""
+    if isinstance(micro_batches, dict):
+        micro_batches = [micro_batches]
+    st = distributed.state()
+    denom = objectives.token_share(micro_batches, distributed.dp_group(), st.dp_size)
+    parts: dict[str, torch.Tensor] = {}
+    for i, batch in enumerate(micro_batches):
+        with micro_context(i, len(micro_batches)) if micro_context else contextlib.nullcontext():
+            micro = _micro_step(student, teacher, batch, balancer, cfg, needs_lm, denom)
+        for key, value in micro.items():
+            parts[key] = parts[key] + value if key in parts else value
+    if st.dp_size > 1:
+        keys = list(parts)
+        flat = torch.stack([parts[k].float() for k in keys])
+        dist.all_reduce(flat, group=distributed.dp_group())
+        parts = dict(zip(keys, flat / st.dp_size))
+    return parts
+
+
 @torch.no_grad()
-def evaluate(student, teacher, val_batches: list[dict]) -> dict[str, float]:
-    """val/lm_loss, val/kl_to_teacher (full-vocabulary forward KL, T=1), val/top1_agreement; averaged over DP."""
+def evaluate(student, teacher, val_batches: list) -> dict[str, float]:
+    """val/lm_loss, val/kl_to_teacher (full-vocabulary forward KL, T=1), val/top1_agreement; averaged over DP.
+
+    Each item of `val_batches` is one eval iteration: a micro-batch, or a list of the micro-batches of this rank's
+    share of one global batch (token-normalised over that share, as in training)."""
     st = distributed.state()
     student.eval()
     sums = torch.zeros(3, device=st.device)
-    for batch in val_batches:
-        t_logits = models.vocab_parallel_logits(teacher, batch["tokens"])
-        s_logits = models.vocab_parallel_logits(student, batch["tokens"])
-        mask = batch["loss_mask"]
-        sums += torch.stack([objectives.full_kl(s_logits, t_logits, mask),
-                             objectives.top1_agreement(s_logits, t_logits, mask),
-                             objectives.lm_loss(s_logits, batch["labels"], mask)])
+    for item in val_batches:
+        micros = [item] if isinstance(item, dict) else item
+        denom = objectives.token_share(micros)
+        for batch in micros:
+            t_logits = models.vocab_parallel_logits(teacher, batch["tokens"])
+            s_logits = models.vocab_parallel_logits(student, batch["tokens"])
+            mask = batch["loss_mask"]
+            sums += torch.stack([objectives.full_kl(s_logits, t_logits, mask, denom),
+                                 objectives.top1_agreement(s_logits, t_logits, mask, denom),
+                                 objectives.lm_loss(s_logits, batch["labels"], mask, denom)])
     student.train()
     if st.dp_size > 1:
         dist.all_reduce(sums, group=distributed.dp_group())
@@ -82,7 +117,9 @@ def state_finite(tensors: Iterable[torch.Tensor]) -> bool:
 
 
 def optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    """The optimizer's state tensors, and the fp32 master weights of a mixed-precision one."""
+    state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    return state + list(getattr(opt, "master_params", []))
 
 
 class NonFiniteGuard:
