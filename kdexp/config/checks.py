@@ -35,8 +35,12 @@ def accumulation_steps(global_batch_size: Optional[int], micro_batch_size: int, 
 
 
 def _world_size() -> Optional[int]:
-    world = os.environ.get("WORLD_SIZE")  # torchrun's; under SLURM the trainer checks again with the real groups
-    return int(world) if world and world.isdigit() else None
+    """The launcher's world size (torchrun, submitit, an srun step); None for a lone process (printing or planning
+    a run), where the trainer checks again with the real groups."""
+    from kdexp.distributed import launch
+
+    job = launch.launch_env()
+    return None if job.source == "local" else job.world_size
 
 
 def _check_scale(cfg: Any) -> None:
@@ -98,8 +102,8 @@ def _check_parallel(cfg: Any, sizes: dict, vocab: Optional[int]) -> None:
                 fail("parallel.tensor", tp, f"must divide the {role}'s {n} {what}")
     if vocab is not None and vocab % tp:
         fail("parallel.tensor", tp, f"must divide the vocabulary size {vocab}")
-    world = _world_size()
-    if world and world % tp:
+    world = os.environ.get("WORLD_SIZE")  # torchrun's; under SLURM the process group checks it
+    if world and world.isdigit() and int(world) % tp:
         fail("parallel.tensor", tp, f"must divide the world size {world} (WORLD_SIZE)")
 
 
