@@ -256,7 +256,8 @@ def test_tensor_parallel_must_divide_the_world_size(monkeypatch):
 
 def test_global_batch_must_divide_by_micro_times_data_parallel(monkeypatch):
     validate(cfg_of("trainer.global_batch_size=16"))  # 4 accumulation steps of micro 4 on one rank
-    monkeypatch.setenv("WORLD_SIZE", "4")  # TP=2 x DP=2: micro 4 x DP 2 = 8 samples per accumulation step
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")  # torchrun, TP=2 x DP=2: micro 4 x DP 2 = 8 samples per accumulation step
     validate(cfg_of("parallel.tensor=2", "trainer.global_batch_size=16"))
     with pytest.raises(ValueError, match=r"^trainer.global_batch_size=12 is invalid: .* = 4 x 2 = 8$"):
         validate(cfg_of("parallel.tensor=2", "trainer.global_batch_size=12"))

@@ -20,9 +20,9 @@ from hydra import compose, initialize_config_module
 import kdexp.config  # noqa: F401
 from kdexp import distributed, models
 from kdexp.data import batches
-from kdexp.train import objectives, optim
+from kdexp.train import objectives
 from kdexp.train.loop import setup
-from kdexp.train.step import NonFiniteGuard, apply_update, train_step
+from kdexp.train.step import NonFiniteGuard, apply_update, reduce_and_clip, train_step
 
 
 def main(argv=None) -> None:
@@ -51,8 +51,7 @@ def main(argv=None) -> None:
     guard = NonFiniteGuard(t.skip_nonfinite)
 
     def update(step, loss):  # what the trainer does after the backward pass (kdexp.train.loop.distill)
-        optim.average_gradients(student)
-        grad_norm = optim.clip_gradients(student, t.grad_clip)
+        grad_norm = reduce_and_clip(student, opt, t.grad_clip)  # bf16 masters / megatron path alike
         apply_update(opt, guard.check_step(step, loss, grad_norm))
 
     def kd_step(step, batch):

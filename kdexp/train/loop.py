@@ -21,7 +21,8 @@ from kdexp.config.checks import accumulation_steps
 from kdexp.data import batches, prepare
 from kdexp.track.metrics import IntervalMeter, MetricsFile, Progress, console_line, eval_line
 from kdexp.train import checkpoint, megatron_optim, objectives, optim
-from kdexp.train.step import NonFiniteGuard, apply_update, evaluate, optimizer_tensors, train_step
+from kdexp.train.step import (NonFiniteGuard, apply_update, evaluate, optimizer_tensors, reduce_and_clip,
+                              train_step)
 from kdexp.train.teacher import get_teacher
 
 log = logging.getLogger("kdexp")
@@ -174,12 +175,7 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
             opt.zero_grad(set_to_none=True)
             parts = train_step(student, teacher, batch, s.balancer, cfg, needs_lm,
                                micro_context=getattr(opt, "micro_context", None))
-            if isinstance(opt, megatron_optim.MegatronOptimizer):
-                parts["train/grad_norm"] = opt.reduce_and_clip().to(st.device)
-            else:
-                grads = optim.grad_params(student, opt)
-                optim.average_gradients(grads)  # once per global batch, in fp32 (the masters' grads) under bf16
-                parts["train/grad_norm"] = optim.clip_gradients(grads, t.grad_clip)
+            parts["train/grad_norm"] = reduce_and_clip(student, opt, t.grad_clip)
             finite = guard.check_step(done, parts["train/loss"], parts["train/grad_norm"],
                                       metrics=_final(last_train, last_eval), checkpoint=saved)
             apply_update(opt, finite)

@@ -114,13 +114,18 @@ class MegatronOptimizer:
     def master_params(self) -> list[torch.Tensor]:
         return [p for g in self.inner.param_groups for p in g["params"]]
 
+    def _parts(self) -> list:
+        # get_megatron_optimizer returns a ChainedOptimizer (dense + expert parts); the DP-zero state is per part
+        return list(getattr(self.inner, "chained_optimizers", [self.inner]))
+
     def state_dict(self) -> dict[str, Any]:
         out = {"optimizer": self.inner.state_dict()}
         if self.distributed:  # collective over DP: every rank calls it, DP rank 0 holds the whole state
-            out["param_state"] = self.inner.get_parameter_state_dp_zero()
+            out["param_state"] = [part.get_parameter_state_dp_zero() for part in self._parts()]
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.inner.load_state_dict(state["optimizer"])
         if self.distributed:
-            self.inner.load_parameter_state_from_dp_zero(state["param_state"])
+            for part, saved in zip(self._parts(), state["param_state"]):
+                part.load_parameter_state_from_dp_zero(saved)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from kdexp import distributed, models
-from kdexp.train import objectives
+from kdexp.train import megatron_optim, objectives, optim
 from kdexp.train.errors import Diverged
 
 log = logging.getLogger("kdexp")
@@ -170,6 +170,16 @@ class NonFiniteGuard:
         if not state_finite(tensors):
             raise self._stop(step, "non-finite weights or optimizer state", metrics, checkpoint,
                              stopped="stopped before saving them")
+
+
+def reduce_and_clip(student, opt, max_norm: float) -> torch.Tensor:
+    """After a global batch's backward passes: the DP reduction (once per step) and clipping, on the fp32 gradients
+    of whichever optimizer path runs; the norm before clipping, on this rank's device."""
+    if isinstance(opt, megatron_optim.MegatronOptimizer):
+        return opt.reduce_and_clip().to(distributed.state().device)
+    grads = optim.grad_params(student, opt)  # the fp32 masters' grads under bf16
+    optim.average_gradients(grads)
+    return optim.clip_gradients(grads, max_norm)
 
 
 def apply_update(opt: torch.optim.Optimizer, apply: bool) -> None:
