@@ -73,12 +73,20 @@ class TrainerConfig:
     skip_nonfinite: int = 0  # non-finite steps to skip (no update) before the run stops as diverged
     reuse_finished: bool = True  # in a sweep, a point whose resolved config already finished is not retrained
     export_hf: bool = False  # at the end, write the distilled student as a Hugging Face checkpoint (run_dir/student_hf)
+    global_batch_size: Optional[int] = None  # None = micro_batch_size x DP (no gradient accumulation)
+    precision: str = "fp32"  # fp32 | bf16 (bf16 params and activations, fp32 master weights and Adam state)
+    recompute: str = "none"  # none | selective | full (megatron activation recompute)
+    # kdexp.plan: usable memory per GPU in GiB (2**30 bytes, as torch.cuda.get_device_properties reports it);
+    # set, kdexp.run refuses a config whose planned peak does not fit. None = no check.
+    gpu_memory_gb: Optional[float] = None
+    gpu_peak_tflops: float = 989.0  # kdexp.plan's tokens/s estimate: dense bf16 peak per GPU (H100 SXM: 989)
 
 
 @dataclass
 class ParallelConfig:
     tensor: int = 1
     pipeline: int = 1
+    sequence: bool = False  # sequence parallelism (with tensor > 1)
 
 
 @dataclass
