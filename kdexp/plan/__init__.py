@@ -208,10 +208,14 @@ def _gib(x: float, unit: float = GiB) -> str:
     return f"{x / unit:,.2f}"
 
 
+def _size(x: float) -> str:
+    return f"{x / GiB:,.2f} GiB" if x >= GiB / 10 else f"{x / 2**20:,.1f} MiB"
+
+
 def format_table(p: Plan) -> str:
     f = p.flops
     w = 28
-    unit, uname = (GiB, "GiB") if p.needs >= GiB else (2.0**20, "MiB")  # tiny runs read in MiB
+    unit, uname = (GiB, "GiB") if p.peak >= GiB else (2.0**20, "MiB")  # tiny runs read in MiB
     head = (f"kdexp plan: teacher {p.teacher} -> student {p.student} on {p.gpus} GPU(s) = TP {p.tp} x DP {p.dp}; "
             f"{p.precision}; micro-batch {p.micro_batch} x seq {p.seq}; global batch {p.global_batch} "
             f"({p.accumulation} micro-batch(es) per DP rank and step)")
@@ -249,9 +253,9 @@ def refuse_if_too_big(cfg: Any) -> None:
     world = launch_env().world_size
     p = make_plan(cfg, gpus=world if world % tp == 0 and world >= tp else tp)
     if p.needs > limit * GiB:
-        big = ", ".join(f"{n} {_gib(b)}" for n, b, _ in p.biggest())
+        big = ", ".join(f"{n} {_size(b)}" for n, b, _ in p.biggest())
         fail("trainer.gpu_memory_gb", limit,
-             f"the plan needs {_gib(p.needs)} GiB per GPU ({_gib(p.peak)} allocated at the peak + {_gib(p.reserve)} "
-             f"reserve); biggest: {big} GiB. Lower trainer.micro_batch_size, raise parallel.tensor, set "
+             f"the plan needs {_size(p.needs)} per GPU ({_size(p.peak)} allocated at the peak + {_size(p.reserve)} "
+             f"reserve); biggest: {big}. Lower trainer.micro_batch_size, raise parallel.tensor, set "
              "trainer.recompute=selective or full, or parallel.sequence=true; `python -m kdexp.plan` with the same "
              "overrides prints the table")
