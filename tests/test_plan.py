@@ -58,7 +58,12 @@ def test_parameters_per_rank_are_the_built_models_numel(tie):
 def test_activation_bytes_are_what_autograd_saves(dtype, e):
     ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
     with lone_process(seed=3):
+        from megatron.core import parallel_state
+
         measured = {n: _saved_bytes(models.build(_spec(layers=n), params_dtype=dtype), ids) for n in (1, 3)}
+        buffers = parallel_state.get_global_memory_buffer().buffer  # the attention's score buffer, kept
+        held = sum(t.numel() * t.element_size() for t in buffers.values())
+    assert held == sizing.attention_buffer_bytes([_spec()], B, S, e, 1)
     layer = sizing.layer_bytes(_spec(), B * S, S, e, sizing.Parallel())
     outside = sizing.outside_layers_bytes(_spec(), B * S, S, e, sizing.Parallel())
     assert layer["working"] == 0
@@ -117,6 +122,7 @@ def test_the_smoke_plan_item_by_item():
     assert items["logit gradients"] == 2 * n * v * 4  # KD's and LM's (alpha=0.9)
     assert items["KD loss saved values"] == n * (1024 * (8 + 1 + 4) + 8 + 24)  # top_k=1024: int64 + bool + fp32
     assert items["KD loss chunk buffer"] == n * (v + 1) * 4  # 128 rows fit the loss's 4 MiB minimum chunk
+    assert items["attention score buffer"] == 2 * 4 * 64 * 64 * 4  # micro x heads (4, both) x s x s, fp32
     assert p.peak == sum(items.values()) and p.reserve == GiB + 0.05 * p.peak
     assert p.flops["total"] == sizing.flops_per_token(student, 64, backward=True) + \
         sizing.flops_per_token(teacher, 64, backward=False)
@@ -165,3 +171,4 @@ def test_the_cli_prints_the_real_qwen3_plan_without_weights_and_rejects_bad_inpu
     assert p["peak"] == sum(items.values())
     bad = _python("-m", "kdexp.plan", "trainer.recompute=half", "model=qwen3")
     assert bad.returncode == 2 and "trainer.recompute='half' is invalid" in bad.stderr
+

@@ -183,7 +183,9 @@ COMMANDS: dict[str, How] = {
     "python -m kdexp.run model=qwen3 model.teacher_path=/ckpt/Qwen3-1.7B model.student_path=/ckpt/Qwen3-0.6B "
     "data=indexed data.prefixes=[/data/corpus_text_document] data.tokenizer=/ckpt/Qwen3-1.7B parallel.tensor=8":
         How("composed", "needs the Qwen3 checkpoints, an indexed corpus and 8 GPUs"),
-    "python -m kdexp.plan --gpus 8 model=qwen3 trainer.precision=bf16 trainer.micro_batch_size=2 trainer.global_batch_size=256 trainer.seq_length=4096 trainer.recompute=selective parallel.tensor=2 parallel.sequence=true trainer.gpu_memory_gb=79.6": How("verbatim", check=_plan_table),
+    "python -m kdexp.plan --gpus 8 model=qwen3 trainer.precision=bf16 trainer.micro_batch_size=2 "
+    "trainer.global_batch_size=256 trainer.seq_length=4096 trainer.recompute=selective parallel.tensor=2 "
+    "parallel.sequence=true trainer.gpu_memory_gb=79.6": How("verbatim", check=_plan_table),
     "torchrun --nproc-per-node 8 -m kdexp.run model=qwen3 model.teacher_path=/ckpt/Qwen3-1.7B "
     "model.student_path=/ckpt/Qwen3-0.6B data=indexed data.prefixes=[/data/corpus_text_document] "
     "data.tokenizer=/ckpt/Qwen3-1.7B trainer.precision=bf16 trainer.micro_batch_size=2 trainer.global_batch_size=256 "

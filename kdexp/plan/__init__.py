@@ -168,6 +168,8 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, distributed_optimizer: bo
                                                                               sizing.Parallel(tp, sp))
     p.items.append(("activations", acts, f"{student.num_layers} layers x {layer['kept'] / 2**20:,.1f} MiB, "
                     f"recompute {recompute}{', seq. parallel' if sp else ''} (Korthikanti et al. 2022)"))
+    p.items.append(("attention score buffer", sizing.attention_buffer_bytes((teacher, student), micro, seq, e, tp),
+                    "megatron's global buffer [b x heads/TP, s, s], kept"))
     if layer["working"]:
         p.items.append(("recompute working set", layer["working"], "one layer rebuilt during its backward"))
     vocab = student.vocab_size // tp
@@ -185,12 +187,11 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, distributed_optimizer: bo
     # or the MLP's fc1 output and products) counts only if larger than the student's logit and activation parts.
     a_t = teacher.num_heads // tp
     teacher_layer = tokens * max((4 + 4 + (2 if e == 2 else 0)) * a_t * seq, 5 * e * teacher.intermediate_size / tp)
-    student_phase = sum(v for k, v, _ in p.items if k not in ("teacher weights", "student weights",
-                                                              "student gradients", "optimizer state"))
+    static = ("teacher weights", "student weights", "student gradients", "optimizer state", "attention score buffer")
+    student_phase = sum(v for k, v, _ in p.items if k not in static)
     teacher_phase = logits["teacher logits"] + teacher_layer
     if teacher_phase > student_phase:
-        p.items = [it for it in p.items if it[0] in ("teacher weights", "student weights", "student gradients",
-                                                     "optimizer state")]
+        p.items = [it for it in p.items if it[0] in static]
         p.items += [("teacher logits", logits["teacher logits"], f"{shape} {dt}"),
                     ("teacher forward layer", teacher_layer, "no-grad transient of one layer: the peak")]
     p.peak = sum(v for _, v, _ in p.items)

@@ -97,6 +97,13 @@ def outside_layers_bytes(spec: Qwen3Spec, tokens: int, seq: int, act_bytes: int,
     return tokens * (per_token + ids) + seq * seq
 
 
+def attention_buffer_bytes(specs, micro: int, seq: int, act_bytes: int, tp: int) -> float:
+    """megatron's DotProductAttention takes its [b * heads/t, s, s] score buffer from the global memory buffer
+    (parallel_state.get_global_memory_buffer), allocated once at the largest size asked and kept: shared by the
+    teacher and the student (same dtype), not a saved tensor, so separate from the layers' activations."""
+    return micro * max(s.num_heads for s in specs) / tp * seq * seq * act_bytes
+
+
 def kd_saved_per_token(top_k: int | None, top_p: float | None, initial_k: int) -> float:
     """Bytes per token the chunked KD loss keeps between forward and backward besides the logits (which it keeps by
     reference): per kept candidate the global index (int64), the keep flag (bool) and the candidate gradient (fp32),
