@@ -121,7 +121,8 @@ def test_the_smoke_plan_item_by_item():
     assert items["teacher logits"] == items["student logits"] == items["LM loss fp32 softmax"] == n * v * 4
     assert items["logit gradients"] == 2 * n * v * 4  # KD's and LM's (alpha=0.9)
     assert items["KD loss saved values"] == n * (1024 * (8 + 1 + 4) + 8 + 24)  # top_k=1024: int64 + bool + fp32
-    assert items["KD loss chunk buffer"] == n * (v + 1) * 4  # 128 rows fit the loss's 4 MiB minimum chunk
+    # 128 rows fit the loss's 4 MiB minimum chunk: its [rows, V+1] buffer and the [rows, K+1] temporaries
+    assert items["KD loss chunk buffer"] == n * (v + 1 + sizing.KD_CHUNK_K_ARRAYS * 1025) * 4
     assert items["attention score buffer"] == 2 * 4 * 64 * 64 * 4  # micro x heads (4, both) x s x s, fp32
     assert p.peak == sum(items.values()) and p.reserve == GiB + 0.05 * p.peak
     assert p.flops["total"] == sizing.flops_per_token(student, 64, backward=True) + \
@@ -175,3 +176,39 @@ def test_the_cli_prints_the_real_qwen3_plan_without_weights_and_rejects_bad_inpu
     err = capsys.readouterr().err
     assert err.startswith("kdexp.plan: error: trainer.recompute='half' is invalid") and err.count("\n") == 1
     assert main(["trainer.no_such_key=1"]) == 2 and "no_such_key" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [(), ("loss=dense", "balancer.alpha=1.0")])
+def test_the_plan_bounds_a_real_train_step_from_above(overrides):
+    """One trainer step (kdexp.train.step.train_step, after a first step allocated the optimizer state) on the CPU:
+    the peak of the tensor storages it creates (kdexp.bench.losses.PeakTensorMemory) against the plan's items that
+    a step allocates (gradients, activations, logits, loss buffers). The plan adds them all at once, so it bounds the
+    step from above; it must not be loose either."""
+    from unittest import mock
+
+    from kdexp.bench import gpu_scale
+    from kdexp.bench.losses import PeakTensorMemory
+    from kdexp.data import batches
+    from kdexp.train import loop, objectives
+    from kdexp.train.step import train_step
+
+    cfg = _cfg("logger=none", *overrides)
+    with lone_process(seed=1) as st:
+        with mock.patch.object(loop, "get_teacher", gpu_scale._random_teacher):
+            s = loop.setup(cfg)
+        stream = batches(s.data.train_ds, micro_batch_size=cfg.trainer.micro_batch_size, dp_rank=0, dp_size=1)
+
+        def step():
+            s.optimizer.zero_grad(set_to_none=True)
+            train_step(s.student, s.teacher, objectives.batch_to(next(stream), st.device), s.balancer, cfg,
+                       s.balancer.needs_lm_loss)
+
+        step()
+        s.optimizer.step()
+        with PeakTensorMemory() as measured:
+            step()
+    items = {name: b for name, b, _ in make_plan(cfg).items}
+    kept = ("teacher weights", "student weights", "optimizer state", "attention score buffer")  # before the step
+    planned = sum(b for name, b in items.items() if name not in kept)
+    assert 1.0 <= planned / measured.peak <= 1.25, (planned, measured.peak, items)

@@ -177,11 +177,12 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, distributed_optimizer: bo
     top_k, top_p = cfg.loss.top_k, cfg.loss.top_p
     kd_saved = sizing.kd_saved_per_token(top_k, top_p, TOP_P_INITIAL_K)
     logits = sizing.logits_bytes(tokens, vocab, e, needs_lm=needs_lm, kd_saved=kd_saved,
-                                 chunk_rows=_chunk_rows(tokens, vocab))
+                                 chunk_rows=_chunk_rows(tokens, vocab),
+                                 kept=0 if top_k is None and top_p is None else (top_k or TOP_P_INITIAL_K))
     shape = f"[{tokens}, {vocab}]"
     notes = {"teacher logits": f"{shape} {dt}", "student logits": f"{shape} {dt}",
              "LM loss fp32 softmax": f"{shape} fp32", "KD loss saved values": f"top_k={top_k} top_p={top_p}",
-             "logit gradients": "KD" + (" + LM" if needs_lm else ""), "KD loss chunk buffer": "fp32, one chunk"}
+             "logit gradients": "KD" + (" + LM" if needs_lm else ""), "KD loss chunk buffer": "fp32, one chunk of tokens"}
     p.items += [(k, v, notes[k]) for k, v in logits.items() if v]
     # The teacher's no-grad forward runs before the student's: its one-layer transient (scores, softmax and copy,
     # or the MLP's fc1 output and products) counts only if larger than the student's logit and activation parts.
