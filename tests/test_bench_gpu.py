@@ -77,3 +77,4 @@ def test_the_real_shape_part_runs_at_tiny_shapes_on_the_cpu():
     assert out["kd_tokens_per_s"] == pytest.approx(2 * 64 / (out["kd_step_ms"] / 1e3))
     assert out["peak_tflops"] == 989.0 and gpu_scale.PEAK_TFLOPS["H100"] == 989.0
     assert 0 < out["kd_mfu"] < 1e-3 and 0 < out["lm_mfu"] < 1e-3  # a CPU is far below a GPU's peak
+    assert out["grad_dtypes"] and out["optimizer_state_dtypes"] and out["plan_precision"].startswith("bf16")

@@ -132,6 +132,13 @@ def run(teacher: str = "1.7b", student: str = "0.6b", *, steps: int = 50, lm_ste
     kd_s, kd_peak, kd_losses = phase(kd_step, steps)
     lm_s, lm_peak, _ = phase(lm_step, lm_steps)
     kd_tps, lm_tps = tokens / kd_s, tokens / lm_s
+    # What the loop really keeps, beside the plan's assumption for trainer.precision (fp32 grads and master state)
+    grads = {str(g.dtype) for p in s.student.parameters() for g in [getattr(p, "main_grad", None)
+                                                                    if getattr(p, "main_grad", None) is not None
+                                                                    else p.grad] if g is not None}
+    state = getattr(s.optimizer, "state", {})
+    opt_dtypes = {str(v.dtype) for d in (state.values() if hasattr(state, "values") else ()) for v in d.values()
+                  if torch.is_tensor(v) and v.dim() > 0}
     per_gpu = 1.0 / st.world_size
     return {
         "teacher": cfg.model.teacher, "student": cfg.model.student, "seq": t.seq_length, "micro": t.micro_batch_size,
@@ -145,6 +152,7 @@ def run(teacher: str = "1.7b", student: str = "0.6b", *, steps: int = 50, lm_ste
         "kd_peak_gib": kd_peak, "lm_peak_gib": lm_peak, "plan_peak_gib": plan.peak / GiB,
         "plan_over_measured": None if not kd_peak else plan.peak / GiB / kd_peak,
         "plan_items_gib": {n: b / GiB for n, b, _ in plan.items},
-        "first_loss": kd_losses[0], "last_loss": kd_losses[-1],
+        "grad_dtypes": sorted(grads), "optimizer_state_dtypes": sorted(opt_dtypes),
+        "plan_precision": plan.precision, "first_loss": kd_losses[0], "last_loss": kd_losses[-1],
         "finite": all(x == x and abs(x) != float("inf") for x in kd_losses),
     }
