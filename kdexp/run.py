@@ -147,6 +147,9 @@ def main(cfg: DictConfig):
     run_dir = hc.runtime.output_dir
     try:
         kdexp.config.validate(cfg)  # before W&B, data, teacher or any process group
+        from kdexp.plan import refuse_if_too_big
+
+        refuse_if_too_big(cfg)  # trainer.gpu_memory_gb set: the plan must fit (kdexp.plan, no model built)
     except ValueError as err:
         if multirun:
             raise  # SweepCallback records the point as failed; the other points go on

@@ -45,3 +45,36 @@ def test_a_run_on_the_cpu_does_not_pass_as_a_gpu_run(tmp_path):
     assert out["rc"] == 0 and out["status"] == "finished" and out["steps"] == 2, out
     assert out["saved_from"] == ["cpu"] and out["ok"] is False
     assert all(isinstance(out[k], float) for k in ("train/loss", "val/kl_to_teacher"))
+
+
+def test_modelopt_twins_are_reported_as_absent_when_it_is_not_installed():
+    rows = gpu.loss_bench(tokens=2, vocab=1100, repeats=1, device="cpu")
+    twins = [r for r in rows if r["config"] in gpu.MODELOPT_TWIN]
+    assert len(twins) == 4 and all("modelopt_ms" in r for r in twins)
+    from kdexp.bench.losses import modelopt_kd
+
+    if modelopt_kd("dense", None) is None:
+        assert all(r["modelopt_ms"] is None for r in twins)
+    else:
+        assert all(r["modelopt_ms"] > 0 and r["modelopt_max_abs_diff"] < 1e-2 for r in twins)
+
+
+@pytest.mark.slow
+def test_the_real_shape_part_runs_at_tiny_shapes_on_the_cpu():
+    """Part 3 through its child process at tiny shapes: the trainer's setup and step run, the numbers are consistent
+    with the plan, and a CPU run (no max_memory_allocated) does not pass as a GPU one."""
+    import argparse
+
+    from kdexp.bench import gpu_scale
+
+    args = argparse.Namespace(teacher="tiny-teacher", student="tiny-student", scale_steps=2, lm_steps=1, seq=64,
+                              micro=2, recompute="none")
+    out = gpu.scale(args)
+    assert out.get("finite") is True and out["ok"] is False, out  # finite losses; no CUDA peak: not a pass
+    assert (out["precision"], out["params_dtype"], out["seq"], out["steps"]) == ("bf16", "bfloat16", 64, 2)
+    assert out["kd_peak_gib"] is None and out["plan_peak_gib"] == pytest.approx(sum(out["plan_items_gib"].values()))
+    assert out["kd_step_ms"] > 0 and out["kd_overhead"] == pytest.approx(out["kd_step_ms"] / out["lm_step_ms"] - 1)
+    assert out["kd_tokens_per_s"] == pytest.approx(2 * 64 / (out["kd_step_ms"] / 1e3))
+    assert out["peak_tflops"] == 989.0 and gpu_scale.PEAK_TFLOPS["H100"] == 989.0
+    assert 0 < out["kd_mfu"] < 1e-3 and 0 < out["lm_mfu"] < 1e-3  # a CPU is far below a GPU's peak
+    assert out["grad_dtypes"] and out["optimizer_state_dtypes"] and out["plan_precision"].startswith("bf16")

@@ -114,6 +114,8 @@ BAD = [
     (["trainer.optimizer=sgd"], "trainer.optimizer", "auto, torch, megatron"),
     (["trainer.optimizer=torch", "trainer.distributed_optimizer=true"], "trainer.distributed_optimizer",
      "needs the megatron optimizer"),
+    (["trainer.gpu_memory_gb=0"], "trainer.gpu_memory_gb=0.0 is invalid", r"finite number > 0$"),
+    (["trainer.gpu_peak_tflops=-1"], "trainer.gpu_peak_tflops=-1.0 is invalid", r"finite number > 0$"),
     (["trainer.lr=${{trainer.nothing}}"], "trainer.lr='${trainer.nothing}' is invalid", "Interpolation key"),
     # data
     (["data.name=web"], "data.name", "stdlib, indexed"),

@@ -97,6 +97,14 @@ def _composed(**expected):
     return check
 
 
+def _plan_table(proc, cwd):
+    """README prints this table: the command must still print it, number for number."""
+    printed = README.read_text().split("```text\n", 1)[1].split("```", 1)[0]
+    assert "kdexp plan: teacher 1.7b -> student 0.6b on 8 GPU(s) = TP 2 x DP 4" in proc.stdout
+    assert proc.stdout.strip() == printed.strip(), proc.stdout
+    assert "fits trainer.gpu_memory_gb=79.6" in proc.stdout
+
+
 def _site(proc, cwd):
     assert "site dir: none" in proc.stdout and "(absent)" in proc.stdout
     template = proc.stdout.rsplit("template: ", 1)[1].strip()
@@ -175,11 +183,18 @@ COMMANDS: dict[str, How] = {
     "python -m kdexp.run model=qwen3 model.teacher_path=/ckpt/Qwen3-1.7B model.student_path=/ckpt/Qwen3-0.6B "
     "data=indexed data.prefixes=[/data/corpus_text_document] data.tokenizer=/ckpt/Qwen3-1.7B parallel.tensor=8":
         How("composed", "needs the Qwen3 checkpoints, an indexed corpus and 8 GPUs"),
-    "python -m kdexp.run model=qwen3 model.teacher_path=/ckpt/Qwen3-1.7B model.student_path=/ckpt/Qwen3-0.6B "
-    "data=indexed data.prefixes=[/data/corpus_text_document] data.tokenizer=/ckpt/Qwen3-1.7B trainer.seq_length=4096 "
-    "trainer.micro_batch_size=2 trainer.global_batch_size=256 trainer.precision=bf16 trainer.recompute=selective "
-    "trainer.distributed_optimizer=true":
-        How("composed", "needs the Qwen3 checkpoints, an indexed corpus and 8 GPUs"),
+    "python -m kdexp.plan --gpus 8 model=qwen3 trainer.precision=bf16 trainer.micro_batch_size=2 "
+    "trainer.global_batch_size=256 trainer.seq_length=4096 trainer.recompute=selective trainer.distributed_optimizer=true "
+    "parallel.tensor=2 trainer.gpu_memory_gb=79.6": How("verbatim", check=_plan_table),
+    "torchrun --nproc-per-node 8 -m kdexp.run model=qwen3 model.teacher_path=/ckpt/Qwen3-1.7B "
+    "model.student_path=/ckpt/Qwen3-0.6B data=indexed data.prefixes=[/data/corpus_text_document] "
+    "data.tokenizer=/ckpt/Qwen3-1.7B trainer.precision=bf16 trainer.micro_batch_size=2 trainer.global_batch_size=256 "
+    "trainer.seq_length=4096 trainer.recompute=selective trainer.distributed_optimizer=true parallel.tensor=2 "
+    "trainer.gpu_memory_gb=79.6": How(
+        "not here", "needs the Qwen3 checkpoints, an indexed corpus and 8 GPUs; the plan line above runs verbatim "
+        "with the same sizing overrides"),
+    "python -m kdexp.plan [--gpus N] [--mfu 0.35] [--distributed-optimizer] [--json] [overrides ...]": How(
+        "covered", "tests/test_plan.py::test_the_cli_prints_the_real_qwen3_plan_without_weights_and_rejects_bad_input"),
     "python -m kdexp.run loss=top_p loss.top_p=0.9 -m balancer.alpha=0.5,0.9,1.0": How(
         "covered", "tests/test_cli.py::test_readme_sweep_line_verbatim"),
     "python -m kdexp.run -m loss=topk,top_p balancer.alpha=0.5,1.0 hydra/launcher=local_cpu": How(

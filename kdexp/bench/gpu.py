@@ -1,17 +1,23 @@
-"""GPU check: the CUDA-only code paths end to end, in a minute, with one JSON line to read.
+"""GPU check: the CUDA-only code paths end to end and the real-shape numbers, in <= 8 minutes on one H100/H200.
 
-    python -m kdexp.bench.gpu [--steps 6] [--tokens 2048] [--vocab 151936] [--keep DIR]
+    python -m kdexp.bench.gpu [--steps 6] [--tokens 2048] [--vocab 151936] [--scale-steps 50] [--seq 4096]
+                              [--micro 1] [--recompute none] [--teacher 1.7b] [--student 0.6b] [--keep DIR]
 
-1. Two tiny TP=1 distillations of the embedded smoke config through the real CLI (`python -m kdexp.run`), one with
-   float32 and one with bfloat16 parameters, on a fresh cache (so the teacher pretraining runs on the GPU too): each
-   must finish, with finite losses, and its checkpoint tensors must have been saved from a CUDA device (the proof the
-   run did not fall back to the CPU).
-2. The KD loss benchmark's configurations (kdexp.bench.losses) on the GPU, fp32 and bf16 inputs: fwd+bwd time, peak
-   extra memory (torch.cuda.max_memory_allocated) and the per-token difference from the plain PyTorch version.
+1. The KD loss benchmark's configurations (kdexp.bench.losses) at Qwen3's vocabulary (151,936), fp32 and bf16 inputs:
+   fwd+bwd time and peak extra memory (torch.cuda.max_memory_allocated) of kdexp, of the plain PyTorch version and,
+   when ModelOpt is installed, of ModelOpt's Megatron-plugin losses (dense and renormalised Top-K), with each one's
+   per-token difference from the plain version.
+2. Two tiny TP=1 distillations of the embedded smoke config through the real CLI (`python -m kdexp.run`), float32
+   and bfloat16 parameters, on a fresh cache (the teacher pretraining runs on the GPU too): each must finish with
+   finite losses and its checkpoint tensors must have been saved from a CUDA device (no CPU fallback).
+3. A distillation at real shapes (kdexp.bench.gpu_scale): Qwen3-1.7B teacher -> Qwen3-0.6B student, random init,
+   bf16 (trainer.precision=bf16 where the schema has it), seq 4096, --scale-steps KD steps through the trainer's own
+   setup and step, then LM-only steps: tokens/s, MFU, peak memory of each, the KD overhead over LM-only, and
+   kdexp.plan's predicted peak beside torch.cuda.max_memory_allocated.
 
-The last stdout line is one JSON object ({"ok": ..., "device": ..., "distill": [...], "loss": [...]}); progress goes
-to stderr. Exit status 0 when every check passed, 1 when one failed, and 1 with a one-line message when this machine
-has no CUDA GPU (the module imports on any machine).
+The last stdout line is one JSON object ({"ok": ..., "device": ..., "loss": [...], "distill": [...], "scale": {...}});
+progress goes to stderr. Exit status 0 when every check passed, 1 when one failed, and 1 with a one-line message when
+this machine has no CUDA GPU (the module imports on any machine).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ from pathlib import Path
 import torch
 
 LOSS_TOL = {"fp32": 1e-4, "bf16": 1e-3}  # max |kdexp - plain| per token: both compute in fp32 from the same inputs
+MODELOPT_TWIN = {"dense": "dense", "topk_renorm": "topk"}  # kdexp config -> ModelOpt loss computing the same value
 
 
 def _say(msg: str) -> None:
@@ -71,7 +78,7 @@ def distill(work: Path, dtype: str, steps: int, cache: Path | None = None) -> di
 
 
 def loss_bench(tokens: int, vocab: int, repeats: int, device: str = "cuda") -> list[dict]:
-    from kdexp.bench.losses import CONFIGS, DTYPES, measure, plain_kd
+    from kdexp.bench.losses import CONFIGS, DTYPES, measure, modelopt_kd, plain_kd
     from kdexp.losses import logits_kd_loss
 
     device = torch.device(device)
@@ -89,6 +96,13 @@ def loss_bench(tokens: int, vocab: int, repeats: int, device: str = "cuda") -> l
                    "plain_ms": 1e3 * statistics.median(ref_times), "kdexp_extra_mib": extra / 2**20,
                    "plain_extra_mib": ref_extra / 2**20, "max_abs_diff": diff}
             row["ok"] = math.isfinite(diff) and diff <= LOSS_TOL[dname] and bool(torch.isfinite(loss).all())
+            if cname in MODELOPT_TWIN:  # the same loss in ModelOpt, when it is installed (timed, not judged)
+                mo = modelopt_kd(MODELOPT_TWIN[cname], kw.get("top_k"))
+                row["modelopt_ms"] = row["modelopt_max_abs_diff"] = row["modelopt_extra_mib"] = None
+                if mo is not None:
+                    mo_loss, mo_times, mo_extra = measure(mo, s0, t, repeats)
+                    row.update(modelopt_ms=1e3 * statistics.median(mo_times), modelopt_extra_mib=mo_extra / 2**20,
+                               modelopt_max_abs_diff=(mo_loss.float() - ref.float()).abs().max().item())
             rows.append(row)
             _say(f"loss {cname:<12} {dname}: kdexp {row['kdexp_ms']:.2f} ms / {row['kdexp_extra_mib']:.0f} MiB, "
                  f"plain {row['plain_ms']:.2f} ms / {row['plain_extra_mib']:.0f} MiB, |diff| {diff:.1e}")
@@ -98,6 +112,22 @@ def loss_bench(tokens: int, vocab: int, repeats: int, device: str = "cuda") -> l
     return rows
 
 
+def scale(args) -> dict:
+    """Part 3 in a child process (a clean CUDA context, its own process group), its JSON line back."""
+    cmd = [sys.executable, "-c", "import json, sys; from kdexp.bench import gpu_scale; "
+           "print(json.dumps(gpu_scale.run(*sys.argv[1:3], steps=int(sys.argv[3]), lm_steps=int(sys.argv[4]), "
+           "seq=int(sys.argv[5]), micro=int(sys.argv[6]), recompute=sys.argv[7])))",
+           args.teacher, args.student, str(args.scale_steps), str(args.lm_steps), str(args.seq), str(args.micro),
+           args.recompute]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return {"ok": False, "rc": proc.returncode, "error": proc.stderr.strip()[-2000:]}
+    out = json.loads(lines[-1])
+    out["ok"] = bool(out["finite"]) and out["kd_peak_gib"] is not None
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6, help="distillation steps per run")
@@ -105,14 +135,26 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=151936, help="vocabulary of the loss benchmark")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--keep", type=Path, default=None, help="keep the runs in this directory (default: a temp dir)")
+    ap.add_argument("--scale-steps", type=int, default=50, help="KD steps at real shapes (0: skip that part)")
+    ap.add_argument("--lm-steps", type=int, default=10, help="LM-only steps at real shapes")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--micro", type=int, default=1)
+    ap.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
+    ap.add_argument("--teacher", default="1.7b")
+    ap.add_argument("--student", default="0.6b")
     args = ap.parse_args(argv)
-    if min(args.steps, args.tokens, args.vocab, args.repeats) < 1:
-        ap.error("--steps, --tokens, --vocab and --repeats must be >= 1")
+    if min(args.steps, args.tokens, args.vocab, args.repeats, args.seq, args.micro, args.lm_steps) < 1 or \
+            args.scale_steps < 0:
+        ap.error("--steps, --tokens, --vocab, --repeats, --seq, --micro and --lm-steps must be >= 1, "
+                 "--scale-steps >= 0")
     reason = no_gpu_reason()
     if reason is not None:
         print(f"kdexp.bench.gpu: {reason}", file=sys.stderr)
         return 1
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda}
+    _say(f"loss benchmark, {args.tokens} tokens x vocab {args.vocab} ...")
+    result["loss"] = loss_bench(args.tokens, args.vocab, args.repeats)
+    torch.cuda.empty_cache()
     with tempfile.TemporaryDirectory(prefix="kdexp-gpu-") as tmp:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -121,8 +163,13 @@ def main(argv=None) -> int:
             _say(f"distill {args.steps} steps, params {dtype} ...")
             result["distill"].append(distill(work, dtype, args.steps))
             _say(f"distill {dtype}: {json.dumps(result['distill'][-1])}")
-    result["loss"] = loss_bench(args.tokens, args.vocab, args.repeats)
-    result["ok"] = all(r["ok"] for r in result["distill"] + result["loss"])
+    result["scale"] = None
+    if args.scale_steps:
+        _say(f"{args.teacher} -> {args.student}, seq {args.seq}, {args.scale_steps} KD + {args.lm_steps} LM steps ...")
+        result["scale"] = scale(args)
+        _say(f"scale: {json.dumps(result['scale'])}")
+    result["ok"] = all(r["ok"] for r in result["distill"] + result["loss"]) and \
+        (result["scale"] is None or result["scale"]["ok"])
     print(json.dumps(result))
     return 0 if result["ok"] else 1
 

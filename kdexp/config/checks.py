@@ -85,6 +85,9 @@ def _check_trainer(t: Any, max_positions: int) -> None:
     number("trainer.grad_clip", t.grad_clip, ge=0)  # 0 disables clipping
     integer("trainer.seed", t.seed, ge=0, lt=2**32)
     integer("trainer.skip_nonfinite", t.skip_nonfinite, ge=0)
+    if t.gpu_memory_gb is not None:
+        number("trainer.gpu_memory_gb", t.gpu_memory_gb, gt=0)
+    number("trainer.gpu_peak_tflops", t.gpu_peak_tflops, gt=0)
     for key in ("reuse_finished", "export_hf"):
         if not isinstance(getattr(t, key), bool):
             fail(f"trainer.{key}", getattr(t, key), "must be true or false")

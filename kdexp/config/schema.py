@@ -81,6 +81,10 @@ class TrainerConfig:
     recompute: str = "none"  # activation recompute: none | selective (core attention) | full (every layer)
     optimizer: str = "auto"  # auto (megatron on CUDA, torch on CPU) | torch | megatron (DDP + get_megatron_optimizer)
     distributed_optimizer: bool = False  # megatron optimizer only: shard the fp32 master weights and AdamW state (ZeRO-1)
+    # kdexp.plan: usable memory per GPU in GiB (2**30 bytes, as torch.cuda.get_device_properties reports it);
+    # set, kdexp.run refuses a config whose planned peak does not fit. None = no check.
+    gpu_memory_gb: Optional[float] = None
+    gpu_peak_tflops: float = 989.0  # kdexp.plan's tokens/s estimate: dense bf16 peak per GPU (H100 SXM: 989)
 
 
 @dataclass

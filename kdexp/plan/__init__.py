@@ -1,0 +1,263 @@
+"""kdexp.plan: what one run needs per GPU before it launches (memory item by item, FLOPs, an MFU-based tokens/s).
+
+    python -m kdexp.plan [--gpus N] [--mfu 0.35] [--distributed-optimizer] [--json] [overrides ...]
+
+``make_plan(cfg)`` reads the composed config (model shapes, trainer.micro_batch_size / seq_length /
+global_batch_size / precision / recompute, parallel.tensor / sequence, the loss and balancer) and needs no weights,
+no data and no GPU. ``refuse_if_too_big(cfg)`` is kdexp.run's check against ``trainer.gpu_memory_gb``. The formulas
+and their references are in kdexp.plan.sizing.
+
+Memory is the peak of torch's allocator (what ``torch.cuda.max_memory_allocated`` reports) at the start of the
+student's backward pass: teacher and student weights, the student's gradients and optimizer state (allocated for the
+whole run), all layers' saved activations of one micro-batch, the logit-sized buffers of the LM and KD losses. A
+fixed reserve (CUDA context, cuBLAS workspace, NCCL buffers, allocator fragmentation) is added before comparing with
+the GPU's memory. Precision: fp32 keeps fp32 weights, gradients and Adam moments; bf16 (trainer.precision) keeps bf16
+weights and activations with fp32 gradients (reduced in fp32), fp32 master weights and Adam moments (12 bytes per
+parameter, split over DP with a distributed optimizer); model.params_dtype=bfloat16 alone is pure bf16 (AdamW on the
+bf16 weights). The teacher never has gradients or optimizer state.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
+from typing import Any, Optional
+
+from kdexp.plan import sizing
+
+GiB = float(2**30)
+RESERVE_GIB = 1.0  # CUDA context (~0.5 GiB), cuBLAS workspace, NCCL buffers
+FRAGMENTATION = 0.05  # of the allocated peak: the caching allocator's reserved-but-unallocated blocks
+DEFAULT_MFU = 0.35
+# Config keys that name megatron's distributed optimizer (ZeRO-1), if the schema has one; else the --distributed-
+# optimizer flag decides (default off: the larger, safe estimate).
+_DISTOPT_KEYS = (("trainer", "distributed_optimizer"), ("trainer", "use_distributed_optimizer"),
+                 ("parallel", "distributed_optimizer"))
+
+
+@dataclass
+class Plan:
+    teacher: str
+    student: str
+    gpus: int
+    tp: int
+    dp: int
+    precision: str
+    micro_batch: int
+    seq: int
+    global_batch: int
+    accumulation: int
+    recompute: str
+    sequence_parallel: bool
+    distributed_optimizer: bool
+    items: list = field(default_factory=list)  # (name, bytes, note), the allocated peak's parts
+    peak: float = 0.0
+    reserve: float = 0.0
+    flops: dict = field(default_factory=dict)  # per token
+    mfu: float = DEFAULT_MFU
+    peak_tflops: float = 989.0
+    gpu_memory_gb: Optional[float] = None
+
+    @property
+    def needs(self) -> float:
+        return self.peak + self.reserve
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.mfu * self.peak_tflops * 1e12 / self.flops["total"]
+
+    def biggest(self, n: int = 3) -> list:
+        return sorted(self.items, key=lambda it: -it[1])[:n]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["items"] = [{"name": n, "bytes": b, "note": note} for n, b, note in self.items]
+        d.update(needs=self.needs, tokens_per_s_per_gpu=self.tokens_per_s_per_gpu,
+                 tokens_per_s=self.tokens_per_s_per_gpu * self.gpus,
+                 step_s=self.global_batch * self.seq / (self.tokens_per_s_per_gpu * self.gpus))
+        return d
+
+
+def _spec(cfg, role: str):
+    """The role's Qwen3Spec: from its checkpoint's config.json, else QWEN3_SIZES (tiny presets with the vocabulary
+    the run's tokenizer will have: data.vocab_size for the trained BPE)."""
+    from kdexp import models
+
+    path = getattr(cfg.model, f"{role}_path")
+    if path is not None:
+        return models.spec_from_hf(models.read_config(os.path.expanduser(path)))
+    name = getattr(cfg.model, role)
+    if name.startswith("tiny") and cfg.data.name == "stdlib" and cfg.data.tokenizer is None:
+        return models.get_spec(name, vocab_size=cfg.data.vocab_size)
+    return models.get_spec(name)
+
+
+def _distributed_optimizer(cfg, default: bool) -> bool:
+    for node, key in _DISTOPT_KEYS:
+        value = getattr(getattr(cfg, node), key, None) if hasattr(cfg, node) else None
+        if value is not None:
+            return bool(value)
+    return default
+
+
+def _precision(cfg) -> tuple[str, int, int, int]:
+    """(name, weight/activation bytes, gradient bytes, optimizer bytes per parameter)."""
+    precision = getattr(cfg.trainer, "precision", "fp32")
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"trainer.precision={precision!r} is invalid: must be one of fp32, bf16")
+    if precision == "bf16":
+        return "bf16 (fp32 master)", 2, 4, 12
+    if cfg.model.params_dtype == "bfloat16":
+        return "pure bf16 (model.params_dtype)", 2, 2, 4
+    return "fp32", 4, 4, 8
+
+
+def _chunk_rows(tokens: int, local_vocab: int) -> int:
+    """The KD loss's chunk height, from its own rule (kdexp.losses.logits._chunk_rows)."""
+    import torch
+
+    from kdexp.losses.logits import _chunk_rows as rows
+
+    return rows(tokens, SimpleNamespace(max_local_vocab=local_vocab), torch.float32, None)
+
+
+def make_plan(cfg: Any, *, gpus: Optional[int] = None, distributed_optimizer: bool = False,
+              mfu: float = DEFAULT_MFU) -> Plan:
+    """The plan of a composed config on `gpus` GPUs (default: one DP replica, parallel.tensor GPUs)."""
+    from kdexp.losses import BalancerOptions
+    from kdexp.losses.logits import TOP_P_INITIAL_K
+    from kdexp.models import check_tp
+
+    t, par = cfg.trainer, cfg.parallel
+    tp = int(par.tensor)
+    gpus = tp if gpus is None else int(gpus)
+    if gpus < 1 or gpus % tp:
+        raise ValueError(f"--gpus={gpus} is invalid: must be a positive multiple of parallel.tensor={tp}")
+    dp = gpus // tp
+    teacher, student = _spec(cfg, "teacher"), _spec(cfg, "student")
+    check_tp(teacher, tp)
+    check_tp(student, tp)
+    recompute = getattr(t, "recompute", "none")
+    sp = bool(getattr(par, "sequence", False)) and tp > 1
+    name, e, grad_b, opt_b = _precision(cfg)
+    distopt = _distributed_optimizer(cfg, distributed_optimizer)
+    micro, seq = int(t.micro_batch_size), int(t.seq_length)
+    gb = getattr(t, "global_batch_size", None) or micro * dp
+    if gb % (micro * dp):
+        raise ValueError(f"trainer.global_batch_size={gb} is invalid: must be a multiple of trainer.micro_batch_size"
+                         f" x DP = {micro} x {dp} = {micro * dp}")
+    tokens = micro * seq
+    p = Plan(teacher=cfg.model.teacher, student=cfg.model.student, gpus=gpus, tp=tp, dp=dp, precision=name,
+             micro_batch=micro, seq=seq, global_batch=gb, accumulation=gb // (micro * dp), recompute=recompute,
+             sequence_parallel=sp, distributed_optimizer=distopt, mfu=mfu, peak_tflops=float(t.gpu_peak_tflops),
+             gpu_memory_gb=t.gpu_memory_gb)
+
+    n_t, n_s = sizing.params_per_rank(teacher, tp), sizing.params_per_rank(student, tp)
+    opt_share = dp if distopt else 1
+    dt = "bf16" if e == 2 else "fp32"
+    p.items += [
+        ("teacher weights", n_t * e, f"{n_t / 1e6:,.1f} M params per TP rank, {dt}, no grads"),
+        ("student weights", n_s * e, f"{n_s / 1e6:,.1f} M params per TP rank, {dt}"),
+        ("student gradients", n_s * grad_b, f"{'fp32' if grad_b == 4 else 'bf16'}"),
+        ("optimizer state", n_s * opt_b / opt_share,
+         ("fp32 master + Adam m, v" if opt_b == 12 else f"Adam m, v ({'fp32' if opt_b == 8 else 'bf16'})")
+         + (f", split over DP={dp}" if distopt else ", not split (no distributed optimizer)")),
+    ]
+    layer = sizing.layer_bytes(student, tokens, seq, e, sizing.Parallel(tp, sp), recompute)
+    acts = student.num_layers * layer["kept"] + sizing.outside_layers_bytes(student, tokens, seq, e,
+                                                                              sizing.Parallel(tp, sp))
+    p.items.append(("activations", acts, f"{student.num_layers} layers x {layer['kept'] / 2**20:,.1f} MiB, "
+                    f"recompute {recompute}{', seq. parallel' if sp else ''} (Korthikanti et al. 2022)"))
+    p.items.append(("attention score buffer", sizing.attention_buffer_bytes((teacher, student), micro, seq, e, tp),
+                    "megatron's global buffer [b x heads/TP, s, s], kept"))
+    if layer["working"]:
+        p.items.append(("recompute working set", layer["working"], "one layer rebuilt during its backward"))
+    vocab = student.vocab_size // tp
+    needs_lm = BalancerOptions.from_config(cfg.balancer).build().needs_lm_loss
+    top_k, top_p = cfg.loss.top_k, cfg.loss.top_p
+    kd_saved = sizing.kd_saved_per_token(top_k, top_p, TOP_P_INITIAL_K)
+    logits = sizing.logits_bytes(tokens, vocab, e, needs_lm=needs_lm, kd_saved=kd_saved,
+                                 chunk_rows=_chunk_rows(tokens, vocab),
+                                 kept=0 if top_k is None and top_p is None else (top_k or TOP_P_INITIAL_K))
+    shape = f"[{tokens}, {vocab}]"
+    notes = {"teacher logits": f"{shape} {dt}", "student logits": f"{shape} {dt}",
+             "LM loss fp32 softmax": f"{shape} fp32", "KD loss saved values": f"top_k={top_k} top_p={top_p}",
+             "logit gradients": "KD" + (" + LM" if needs_lm else ""), "KD loss chunk buffer": "fp32, one chunk of tokens"}
+    p.items += [(k, v, notes[k]) for k, v in logits.items() if v]
+    # The teacher's no-grad forward runs before the student's: its one-layer transient (scores, softmax and copy,
+    # or the MLP's fc1 output and products) counts only if larger than the student's logit and activation parts.
+    a_t = teacher.num_heads // tp
+    teacher_layer = tokens * max((4 + 4 + (2 if e == 2 else 0)) * a_t * seq, 5 * e * teacher.intermediate_size / tp)
+    static = ("teacher weights", "student weights", "student gradients", "optimizer state", "attention score buffer")
+    student_phase = sum(v for k, v, _ in p.items if k not in static)
+    teacher_phase = logits["teacher logits"] + teacher_layer
+    if teacher_phase > student_phase:
+        p.items = [it for it in p.items if it[0] in static]
+        p.items += [("teacher logits", logits["teacher logits"], f"{shape} {dt}"),
+                    ("teacher forward layer", teacher_layer, "no-grad transient of one layer: the peak")]
+    p.peak = sum(v for _, v, _ in p.items)
+    p.reserve = RESERVE_GIB * GiB + FRAGMENTATION * p.peak
+
+    fs = sizing.flops_per_token(student, seq, backward=True)
+    ft = sizing.flops_per_token(teacher, seq, backward=False)
+    p.flops = {"student": fs, "teacher": ft, "total": fs + ft,
+               "recompute": sizing.recompute_flops_per_token(student, seq, recompute),
+               "student_6n": 6 * sum(sizing.matmul_params(student)), "teacher_2n": 2 * sum(sizing.matmul_params(teacher))}
+    return p
+
+
+def _gib(x: float, unit: float = GiB) -> str:
+    return f"{x / unit:,.2f}"
+
+
+def _size(x: float) -> str:
+    return f"{x / GiB:,.2f} GiB" if x >= GiB / 10 else f"{x / 2**20:,.1f} MiB"
+
+
+def format_table(p: Plan) -> str:
+    f = p.flops
+    w = 28
+    unit, uname = (GiB, "GiB") if p.peak >= GiB else (2.0**20, "MiB")  # tiny runs read in MiB
+    head = (f"kdexp plan: teacher {p.teacher} -> student {p.student} on {p.gpus} GPU(s) = TP {p.tp} x DP {p.dp}; "
+            f"{p.precision}; micro-batch {p.micro_batch} x seq {p.seq}; global batch {p.global_batch} "
+            f"({p.accumulation} micro-batch(es) per DP rank and step)")
+    lines = [head, "", f"{'per GPU':<{w}} {uname:>9}  note", "-" * 100]
+    lines += [f"{name:<{w}} {_gib(b, unit):>9}  {note}" for name, b, note in p.items]
+    lines += ["-" * 100, f"{'peak allocated':<{w}} {_gib(p.peak, unit):>9}  torch.cuda.max_memory_allocated",
+              f"{'reserve':<{w}} {_gib(p.reserve, unit):>9}  CUDA context, NCCL, fragmentation "
+              f"({RESERVE_GIB:g} GiB + {FRAGMENTATION:.0%})"]
+    verdict = "" if p.gpu_memory_gb is None else (
+        f"  fits trainer.gpu_memory_gb={p.gpu_memory_gb:g}" if p.needs <= p.gpu_memory_gb * GiB else
+        f"  DOES NOT FIT trainer.gpu_memory_gb={p.gpu_memory_gb:g}")
+    lines += [f"{'needs':<{w}} {_gib(p.needs, unit):>9}{verdict}", ""]
+    tps = p.tokens_per_s_per_gpu
+    lines += [
+        f"{'FLOPs per token':<{w}} {f['total'] / 1e9:>9,.2f} G  student fwd+bwd {f['student'] / 1e9:,.2f} G "
+        f"(6N {f['student_6n'] / 1e9:,.2f} G + attention), teacher fwd {f['teacher'] / 1e9:,.2f} G "
+        f"(2N {f['teacher_2n'] / 1e9:,.2f} G + attention)"
+        + (f"; recompute adds {f['recompute'] / 1e9:,.2f} G (not model FLOPs)" if f["recompute"] else ""),
+        f"{'tokens/s at MFU':<{w}} {tps:>9,.0f}  per GPU; {tps * p.gpus:,.0f} on {p.gpus} GPU(s) "
+        f"(MFU {p.mfu:.0%} of {p.peak_tflops:g} TFLOP/s); step of {p.global_batch * p.seq:,} tokens "
+        f"{p.global_batch * p.seq / (tps * p.gpus):,.2f} s",
+    ]
+    return "\n".join(lines)
+
+
+def refuse_if_too_big(cfg: Any) -> None:
+    """kdexp.run's check: a ValueError naming trainer.gpu_memory_gb when the plan's need exceeds it (no-op unset)."""
+    limit = cfg.trainer.gpu_memory_gb
+    if limit is None:
+        return
+    from kdexp.distributed.launch import launch_env
+    from kdexp.rules import fail
+
+    tp = int(cfg.parallel.tensor)
+    world = launch_env().world_size
+    p = make_plan(cfg, gpus=world if world % tp == 0 and world >= tp else tp)
+    if p.needs > limit * GiB:
+        big = ", ".join(f"{n} {_size(b)}" for n, b, _ in p.biggest())
+        fail("trainer.gpu_memory_gb", limit,
+             f"the plan needs {_size(p.needs)} per GPU ({_size(p.peak)} allocated at the peak + {_size(p.reserve)} "
+             f"reserve); biggest: {big}. Lower trainer.micro_batch_size, raise parallel.tensor, set "
+             "trainer.recompute=selective or full, or parallel.sequence=true; `python -m kdexp.plan` with the same "
+             "overrides prints the table")

@@ -1,0 +1,78 @@
+"""``python -m kdexp.plan [--gpus N] [--mfu F] [--distributed-optimizer] [--json] [overrides ...]``: the plan's table.
+
+The overrides are kdexp.run's (``model=qwen3 trainer.seq_length=4096 parallel.tensor=2 ...``), composed the same way;
+no weights, data or GPU are needed: checkpoint paths are read for their config.json only, and a real teacher without
+``model.teacher_path`` is sized from QWEN3_SIZES. Exit status 2 for a bad command line or config (one line).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from kdexp.plan import DEFAULT_MFU, format_table, make_plan
+
+# The one check of validate() the plan may pass by: it sizes a real teacher from QWEN3_SIZES without its weights.
+_NO_WEIGHTS = "model.teacher_path=None is invalid"
+
+
+def _compose(overrides: list[str]):
+    from hydra import compose, initialize_config_module
+
+    import kdexp.conf  # noqa: F401  (the schema and resolvers)
+
+    with initialize_config_module(config_module="kdexp.conf", version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def _check(cfg) -> None:
+    """kdexp.config.validate, except that the teacher's weights need not exist; the keys the plan reads are then
+    checked here (validate stops at its first error, before them)."""
+    import kdexp.config
+    from kdexp.rules import integer
+
+    try:
+        kdexp.config.validate(cfg)
+        return
+    except ValueError as err:
+        if not str(err).startswith(_NO_WEIGHTS):
+            raise
+    t = cfg.trainer
+    for key in ("micro_batch_size", "seq_length"):
+        integer(f"trainer.{key}", getattr(t, key), ge=1)
+    integer("trainer.global_batch_size", getattr(t, "global_batch_size", None), ge=1, none_ok=True)
+    integer("parallel.tensor", cfg.parallel.tensor, ge=1)
+
+
+def _default_gpus(tp: int) -> int:
+    world = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS")
+    return int(world) if world and world.isdigit() and int(world) % tp == 0 else tp
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kdexp.plan", description=__doc__.splitlines()[0])
+    ap.add_argument("--gpus", type=int, default=None,
+                    help="GPUs of the run (default: $WORLD_SIZE / $SLURM_NTASKS, else parallel.tensor: DP=1)")
+    ap.add_argument("--mfu", type=float, default=DEFAULT_MFU, help="model FLOPs utilisation assumed (0, 1]")
+    ap.add_argument("--distributed-optimizer", action="store_true",
+                    help="optimizer state split over DP (megatron's ZeRO-1), unless the config has a key for it")
+    ap.add_argument("--json", action="store_true", help="print the plan as one JSON object instead of the table")
+    ap.add_argument("overrides", nargs="*", help="kdexp.run overrides (group=option, key=value)")
+    args = ap.parse_args(argv)
+    if not 0 < args.mfu <= 1:
+        ap.error(f"--mfu={args.mfu} must be in (0, 1]")
+    try:
+        cfg = _compose(args.overrides)
+        _check(cfg)
+        gpus = args.gpus if args.gpus is not None else _default_gpus(int(cfg.parallel.tensor))
+        plan = make_plan(cfg, gpus=gpus, distributed_optimizer=args.distributed_optimizer, mfu=args.mfu)
+    except Exception as err:  # Hydra's composition errors and the value checks: a user error
+        print(f"kdexp.plan: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.to_dict()) if args.json else format_table(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""The arithmetic of a plan: parameters per TP rank, activation bytes per layer, logit and KD-loss buffers, FLOPs.
+
+Pure functions of a Qwen3Spec and a few sizes (no torch, no megatron); kdexp.plan assembles them into a table.
+
+Activations follow the method of Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+Models" (arXiv:2205.05198), section 4: count, per transformer layer and token, the bytes of every tensor the backward
+pass keeps. Their GPT layer keeps sbh(34 + 5as/h) bytes; with tensor parallelism t the layer norms' and the first
+linears' inputs stay whole (10sbh) and the rest is divided by t; sequence parallelism divides those too; selective
+recompute drops the attention core (the s^2 terms); full recompute keeps only each layer's input. Here the same
+bookkeeping is done for the layer kdexp actually builds (megatron's local spec, kdexp.models.build): torch's
+RMSNorm (which keeps an fp32 copy of its input and its normalised output, also for bf16 inputs), per-head q/k
+norms, GQA key/values repeated to all heads before the unfused DotProductAttention (whose softmax runs in fp32 and
+is kept, plus its 16-bit copy for the bmm), SwiGLU, no dropout (p=0 keeps nothing) and no biases. Each term is
+checked against the saved tensors of a built tiny megatron model (tests/test_plan.py).
+
+FLOPs count a multiply-add as 2 (the convention of MFU, Chowdhery et al. 2022 "PaLM", appendix B): a matmul over
+N parameters costs 2N per token forward, 6N forward + backward; attention costs 4*s*a*d forward per layer (Q K^T
+and P V over the whole s x s score matrix, which the unfused attention computes in full).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kdexp.models.spec import Qwen3Spec
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Parallel:
+    tp: int = 1
+    sequence: bool = False  # sequence parallelism: the layer norms and linear inputs are split over the TP ranks too
+
+
+def params_per_rank(spec: Qwen3Spec, tp: int) -> int:
+    """Parameters one TP rank holds: matrices split over TP (vocabulary rows, heads, ffn columns); norms whole."""
+    h, f, d, a, g = spec.hidden_size, spec.intermediate_size, spec.head_dim, spec.num_heads, spec.num_kv_heads
+    layer = (h * (a + 2 * g) * d + a * d * h + 3 * h * f) // tp + 2 * h + 2 * d  # qkv, proj, fc1 (gate|up), fc2
+    emb = spec.vocab_size * h // tp * (1 if spec.tie_embeddings else 2)
+    return spec.num_layers * layer + emb + h
+
+
+def matmul_params(spec: Qwen3Spec) -> tuple[int, int]:
+    """(parameters of the layers' matmuls, of the logit layer): what a token multiplies by (the input embedding is a
+    lookup and the norms are elementwise, so neither counts)."""
+    h, f, d, a, g = spec.hidden_size, spec.intermediate_size, spec.head_dim, spec.num_heads, spec.num_kv_heads
+    return spec.num_layers * (h * (a + 2 * g) * d + a * d * h + 3 * h * f), spec.vocab_size * h
+
+
+def _norm(width: float) -> float:
+    """torch RMSNorm per token: an fp32 copy of its input (the input itself when fp32), the fp32 normalised value
+    before the weight, the fp32 rstd."""
+    return 8 * width + 4
+
+
+def layer_bytes(spec: Qwen3Spec, tokens: int, seq: int, act_bytes: int, par: Parallel,
+                recompute: str = "none") -> dict[str, float]:
+    """Bytes one transformer layer keeps for backward, for `tokens` tokens (micro-batch x seq) per TP rank:
+    {"kept": ..., "working": ...}; "working" is what a recompute re-creates for one layer during its backward (the
+    transient on top of "kept" of all layers)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"trainer.recompute={recompute!r} is invalid: must be one of {', '.join(RECOMPUTE)}")
+    e, t = act_bytes, par.tp
+    h, f, d = spec.hidden_size, spec.intermediate_size / t, spec.head_dim
+    a, g = spec.num_heads / t, spec.num_kv_heads / t
+    # Replicated over TP unless sequence parallel: the two norms (input and pre-MLP) and the saved inputs of the
+    # column-parallel linears (qkv, fc1); with sequence parallelism megatron keeps their [s/t] slices.
+    whole = 2 * _norm(h) + 2 * e * h
+    split = whole / t if par.sequence else whole
+    # Per head (split over TP): q-norm input copy + normalised + rstd; k-norm likewise in bf16, but an fp32 k is a
+    # view of the fused qkv output and keeps all of it alive.
+    qk_norm = 8 * a * d + 4 * a + (8 * g * d + 4 * g if e != 4 else 4 * (a + 2 * g) * d + 4 * g * d + 4 * g)
+    scores = (4 + (2 if e != 4 else 0)) * a * seq  # fp32 softmax output (+ its 16-bit copy the bmm keeps)
+    core = 3 * e * a * d + scores  # q, and k and v repeated to all heads, as the two bmms keep them
+    rest = qk_norm + e * a * d + 5 * e * f  # linear_proj input; SwiGLU: fc1 output, silu(x), x_linear + 0, fc2 input
+    rope = 4 * seq * d * e  # cos/sin of q and k, per layer, independent of the micro-batch
+    full = tokens * (split + core + rest) + rope
+    if recompute == "none":
+        return {"kept": full, "working": 0.0}
+    if recompute == "selective":
+        # megatron's "core_attn" checkpoint keeps its inputs: q and k after RoPE, and v, a view of the fused qkv
+        # output (in bf16 nothing else keeps that alive; in fp32 the k-norm already does).
+        inputs = e * a * d + e * g * d + (e * (a + 2 * g) * d if e != 4 else 0)
+        return {"kept": tokens * (split + inputs + rest) + rope, "working": tokens * core}
+    # full: each layer's input [s, b, h] (its [s/t] slice with sequence parallelism); one layer is rebuilt at a time
+    return {"kept": tokens * e * h / (t if par.sequence else 1), "working": full}
+
+
+def outside_layers_bytes(spec: Qwen3Spec, tokens: int, seq: int, act_bytes: int, par: Parallel) -> float:
+    """Kept outside the layers: the final norm, the logit layer's input, the token ids (and under TP the embedding's
+    masked ids and mask), and the causal mask [s, s] (bool, cached once)."""
+    h = spec.hidden_size
+    per_token = _norm(h) + act_bytes * h
+    if par.sequence:
+        per_token /= par.tp
+    ids = 8 + (9 if par.tp > 1 else 0)
+    return tokens * (per_token + ids) + seq * seq
+
+
+def attention_buffer_bytes(specs, micro: int, seq: int, act_bytes: int, tp: int) -> float:
+    """megatron's DotProductAttention takes its [b * heads/t, s, s] score buffer from the global memory buffer
+    (parallel_state.get_global_memory_buffer), allocated once at the largest size asked and kept: shared by the
+    teacher and the student (same dtype), not a saved tensor, so separate from the layers' activations."""
+    return micro * max(s.num_heads for s in specs) / tp * seq * seq * act_bytes
+
+
+def kd_saved_per_token(top_k: int | None, top_p: float | None, initial_k: int) -> float:
+    """Bytes per token the chunked KD loss keeps between forward and backward besides the logits (which it keeps by
+    reference): per kept candidate the global index (int64), the keep flag (bool) and the candidate gradient (fp32),
+    per token two fp32 scalars; the dense loss keeps ~6 fp32 scalars. Plus the per-token loss and its 5 stats (fp32).
+    Top-P without top_k keeps at most the nucleus: estimated by the initial candidate count."""
+    stats = 6 * 4
+    if top_k is None and top_p is None:
+        return 6 * 4 + stats
+    k = top_k if top_k is not None else initial_k
+    return k * (8 + 1 + 4) + 2 * 4 + stats
+
+
+KD_CHUNK_K_ARRAYS = 8  # [rows, K+1] fp32-sized temporaries of one chunk live at once (7 seen at a CPU step's peak)
+
+
+def logits_bytes(tokens: int, local_vocab: int, act_bytes: int, *, needs_lm: bool, kd_saved: float,
+                 chunk_rows: int, kept: int = 0) -> dict[str, float]:
+    """The logit-sized buffers at the start of the backward pass (their peak), per TP rank:
+    teacher and student logits [tokens, V/t] (both kept by the KD loss and the step); the LM loss's fp32 copy (which
+    megatron's vocab-parallel cross-entropy turns into its saved softmax) when the balancer needs it; the KD loss's
+    O(K) values; the logit gradients (the KD loss's, plus the LM loss's cast to the logits' dtype); the KD loss's
+    fp32 chunk buffer [rows, V/t + 1] and its chunk's `kept`-wide temporaries (top-k values and indices, kept
+    log-probs, divergence terms and gradients: small at real scale, where K << V/t)."""
+    v = tokens * local_vocab
+    return {
+        "teacher logits": v * act_bytes,
+        "student logits": v * act_bytes,
+        "LM loss fp32 softmax": v * 4 if needs_lm else 0.0,
+        "KD loss saved values": tokens * kd_saved,
+        "logit gradients": v * act_bytes * (2 if needs_lm else 1),
+        "KD loss chunk buffer": chunk_rows * (local_vocab + 1 + KD_CHUNK_K_ARRAYS * (kept + 1 if kept else 0)) * 4,
+    }
+
+
+def flops_per_token(spec: Qwen3Spec, seq: int, *, backward: bool) -> float:
+    """Model FLOPs per token: 2 x matmul parameters (+ the logit layer) + attention 4*s*a*d per layer, forward;
+    x3 with the backward (two matmuls per forward one)."""
+    layers, logit = matmul_params(spec)
+    fwd = 2 * (layers + logit) + 4 * seq * spec.num_heads * spec.head_dim * spec.num_layers
+    return 3 * fwd if backward else fwd
+
+
+def recompute_flops_per_token(spec: Qwen3Spec, seq: int, recompute: str) -> float:
+    """Extra (hardware, not model) FLOPs per token a recompute spends: the attention core's forward (selective) or
+    every layer's forward (full)."""
+    attn = 4 * seq * spec.num_heads * spec.head_dim * spec.num_layers
+    if recompute == "selective":
+        return attn
+    if recompute == "full":
+        return 2 * matmul_params(spec)[0] + attn
+    return 0.0

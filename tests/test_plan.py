@@ -1,0 +1,214 @@
+"""kdexp.plan against independent references: parameter counts against a built megatron model's numel, activation
+bytes against the tensors autograd actually saves in one forward of a built tiny model (fp32 and bf16), FLOPs against
+torch's FlopCounterMode, the recompute / sequence-parallel cases and the logit buffers against hand formulas (megatron's
+recompute needs CUDA's RNG, so it cannot run here), and kdexp.run's refusal of a config that does not fit."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+from torch.utils.flop_counter import FlopCounterMode
+
+from kdexp import models
+from kdexp.models.spec import Qwen3Spec
+from kdexp.plan import GiB, make_plan, sizing
+from tests._lone_process import lone_process
+
+H, F, A, G, D, V = 64, 96, 4, 2, 16, 512
+B, S = 2, 32  # micro-batch, sequence
+
+
+def _spec(layers=2, tie=True):
+    return Qwen3Spec(vocab_size=V, hidden_size=H, intermediate_size=F, num_layers=layers, num_heads=A,
+                     num_kv_heads=G, head_dim=D, tie_embeddings=tie, max_position_embeddings=256)
+
+
+def _saved_bytes(model, ids) -> int:
+    """Bytes of the distinct storages autograd keeps for backward in one forward (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    kept = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            kept[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        models.vocab_parallel_logits(model, ids)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_parameters_per_rank_are_the_built_models_numel(tie):
+    spec = _spec(tie=tie)
+    with lone_process(seed=3):
+        numel = sum(p.numel() for p in models.build(spec).parameters())
+    assert sizing.params_per_rank(spec, 1) == numel == spec.num_params()
+    # TP=2 by hand: qkv (a+2g)d x h, proj h x ad, fc1 2f x h, fc2 h x f and the vocabulary rows halve; norms stay.
+    layer = (H * (A + 2 * G) * D + A * D * H + 3 * H * F) // 2 + 2 * H + 2 * D
+    assert sizing.params_per_rank(spec, 2) == 2 * layer + V * H // 2 * (1 if tie else 2) + H
+
+
+@pytest.mark.parametrize("dtype,e", [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_activation_bytes_are_what_autograd_saves(dtype, e):
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
+    with lone_process(seed=3):
+        from megatron.core import parallel_state
+
+        measured = {n: _saved_bytes(models.build(_spec(layers=n), params_dtype=dtype), ids) for n in (1, 3)}
+        buffers = parallel_state.get_global_memory_buffer().buffer  # the attention's score buffer, kept
+        held = sum(t.numel() * t.element_size() for t in buffers.values())
+    assert held == sizing.attention_buffer_bytes([_spec()], B, S, e, 1)
+    layer = sizing.layer_bytes(_spec(), B * S, S, e, sizing.Parallel())
+    outside = sizing.outside_layers_bytes(_spec(), B * S, S, e, sizing.Parallel())
+    assert layer["working"] == 0
+    assert (measured[3] - measured[1]) / 2 == layer["kept"]  # per layer, exactly
+    assert measured[1] == layer["kept"] + outside
+
+
+def test_tensor_parallel_sequence_parallel_and_recompute_by_hand():
+    spec, n, e = _spec(), B * S, 2
+    one = sizing.layer_bytes(spec, n, S, e, sizing.Parallel(1))["kept"]
+    rope = 4 * S * D * e  # cos/sin of q and k: per layer, not per token, not split
+    whole = 2 * (8 * H + 4) + 2 * e * H  # two RMSNorms (fp32 input copy, normalised, rstd) + qkv and fc1 inputs
+    tp2 = sizing.layer_bytes(spec, n, S, e, sizing.Parallel(2))["kept"]
+    sp2 = sizing.layer_bytes(spec, n, S, e, sizing.Parallel(2, sequence=True))["kept"]
+    assert sp2 - rope == pytest.approx((one - rope) / 2)  # sequence parallel: every per-token term split
+    assert tp2 - sp2 == pytest.approx(n * whole / 2)  # without it the norms and linear inputs stay whole
+    # selective (megatron's core_attn): the core's q, repeated k and v and the scores (fp32 softmax + bf16 copy)
+    # give way to its inputs q, k and the qkv output that v views; the core is rebuilt for one layer at a time.
+    core = 3 * e * A * D + 6 * A * S
+    inputs = e * A * D + e * G * D + e * (A + 2 * G) * D
+    sel = sizing.layer_bytes(spec, n, S, e, sizing.Parallel(1), "selective")
+    assert one - sel["kept"] == n * (core - inputs) and sel["working"] == n * core
+    full = sizing.layer_bytes(spec, n, S, e, sizing.Parallel(2, sequence=True), "full")
+    assert full == {"kept": n * e * H / 2, "working": sp2}
+    with pytest.raises(ValueError, match="trainer.recompute='some'"):
+        sizing.layer_bytes(spec, n, S, e, sizing.Parallel(), "some")
+
+
+def test_flops_are_torchs_flop_count():
+    spec = _spec(tie=False)
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
+    with lone_process(seed=3):
+        model = models.build(spec)
+        with FlopCounterMode(display=False) as fwd:
+            models.vocab_parallel_logits(model, ids)
+        with FlopCounterMode(display=False) as both:
+            models.vocab_parallel_logits(model, ids).sum().backward()
+    assert fwd.get_total_flops() == sizing.flops_per_token(spec, S, backward=False) * B * S
+    assert both.get_total_flops() == sizing.flops_per_token(spec, S, backward=True) * B * S
+
+
+def _cfg(*overrides):
+    with initialize_config_module(config_module="kdexp.conf", version_base="1.3"):
+        return compose(config_name="config", overrides=["experiment=smoke", *overrides])
+
+
+def test_the_smoke_plan_item_by_item():
+    p = make_plan(_cfg())
+    items = {name: b for name, b, _ in p.items}
+    n, v = 2 * 64, 2048  # micro 2 x seq 64 tokens, data.vocab_size
+    student = models.get_spec("tiny-student", vocab_size=v)
+    teacher = models.get_spec("tiny-teacher", vocab_size=v)
+    assert items["student weights"] == 4 * student.num_params() and items["student gradients"] == 4 * student.num_params()
+    assert items["optimizer state"] == 8 * student.num_params() and items["teacher weights"] == 4 * teacher.num_params()
+    assert items["teacher logits"] == items["student logits"] == items["LM loss fp32 softmax"] == n * v * 4
+    assert items["logit gradients"] == 2 * n * v * 4  # KD's and LM's (alpha=0.9)
+    assert items["KD loss saved values"] == n * (1024 * (8 + 1 + 4) + 8 + 24)  # top_k=1024: int64 + bool + fp32
+    # 128 rows fit the loss's 4 MiB minimum chunk: its [rows, V+1] buffer and the [rows, K+1] temporaries
+    assert items["KD loss chunk buffer"] == n * (v + 1 + sizing.KD_CHUNK_K_ARRAYS * 1025) * 4
+    assert items["attention score buffer"] == 2 * 4 * 64 * 64 * 4  # micro x heads (4, both) x s x s, fp32
+    assert p.peak == sum(items.values()) and p.reserve == GiB + 0.05 * p.peak
+    assert p.flops["total"] == sizing.flops_per_token(student, 64, backward=True) + \
+        sizing.flops_per_token(teacher, 64, backward=False)
+    assert p.tokens_per_s_per_gpu == pytest.approx(0.35 * 989e12 / p.flops["total"])
+    kd_only = {name for name, _, _ in make_plan(_cfg("balancer.alpha=1.0")).items}
+    assert "LM loss fp32 softmax" not in kd_only
+
+
+def test_bf16_master_weights_and_the_distributed_optimizer():
+    cfg = _cfg("trainer.precision=bf16", "parallel.tensor=2", "trainer.micro_batch_size=1",
+               "trainer.global_batch_size=8")
+    n = sizing.params_per_rank(models.get_spec("tiny-student", vocab_size=2048), 2)
+    plain = {k: b for k, b, _ in make_plan(cfg, gpus=8).items}
+    zero1 = make_plan(cfg, gpus=8, distributed_optimizer=True)
+    assert (plain["student weights"], plain["student gradients"], plain["optimizer state"]) == (2 * n, 4 * n, 12 * n)
+    assert dict((k, b) for k, b, _ in zero1.items)["optimizer state"] == 12 * n / 4  # DP = 8 / TP 2
+    assert (zero1.dp, zero1.accumulation) == (4, 2)
+    with pytest.raises(ValueError, match="trainer.global_batch_size=8 is invalid: must be a multiple"):
+        make_plan(_cfg("trainer.global_batch_size=8", "trainer.micro_batch_size=3"), gpus=1)
+
+
+def _python(*args, timeout=300):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_kdexp_run_refuses_a_config_that_does_not_fit(tmp_path):
+    r = _python("-m", "kdexp.run", "experiment=smoke", "logger=none", "trainer.gpu_memory_gb=0.5",
+                f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 2, r.stderr[-2000:]
+    (line,) = [x for x in r.stderr.splitlines() if x.startswith("kdexp:")]
+    assert line.startswith("kdexp: error: trainer.gpu_memory_gb=0.5 is invalid: the plan needs 1.04 GiB per GPU")
+    assert "biggest: teacher weights" in line and "Traceback" not in r.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before anything was built
+
+
+def test_the_cli_prints_the_real_qwen3_plan_without_weights_and_rejects_bad_input(capsys):
+    from kdexp.plan.__main__ import main
+
+    args = ["--gpus", "8", "model=qwen3", "trainer.precision=bf16", "trainer.seq_length=4096",
+            "trainer.micro_batch_size=1", "trainer.global_batch_size=256", "parallel.tensor=2"]
+    assert main([*args, "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert (p["tp"], p["dp"], p["accumulation"]) == (2, 4, 64)
+    items = {it["name"]: it["bytes"] for it in p["items"]}
+    assert items["teacher weights"] == 2 * sizing.params_per_rank(models.QWEN3_SIZES["1.7b"], 2)
+    assert items["teacher logits"] == 4096 * 151936 // 2 * 2
+    assert p["peak"] == sum(items.values())
+    assert main(["trainer.recompute=half", "model=qwen3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kdexp.plan: error: trainer.recompute='half' is invalid") and err.count("\n") == 1
+    assert main(["trainer.no_such_key=1"]) == 2 and "no_such_key" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [(), ("loss=dense", "balancer.alpha=1.0")])
+def test_the_plan_bounds_a_real_train_step_from_above(overrides):
+    """One trainer step (kdexp.train.step.train_step, after a first step allocated the optimizer state) on the CPU:
+    the peak of the tensor storages it creates (kdexp.bench.losses.PeakTensorMemory) against the plan's items that
+    a step allocates (gradients, activations, logits, loss buffers). The plan adds them all at once, so it bounds the
+    step from above; it must not be loose either."""
+    from unittest import mock
+
+    from kdexp.bench import gpu_scale
+    from kdexp.bench.losses import PeakTensorMemory
+    from kdexp.data import batches
+    from kdexp.train import loop, objectives
+    from kdexp.train.step import train_step
+
+    cfg = _cfg("logger=none", *overrides)
+    with lone_process(seed=1) as st:
+        with mock.patch.object(loop, "get_teacher", gpu_scale._random_teacher):
+            s = loop.setup(cfg)
+        stream = batches(s.data.train_ds, micro_batch_size=cfg.trainer.micro_batch_size, dp_rank=0, dp_size=1)
+
+        def step():
+            s.optimizer.zero_grad(set_to_none=True)
+            train_step(s.student, s.teacher, objectives.batch_to(next(stream), st.device), s.balancer, cfg,
+                       s.balancer.needs_lm_loss)
+
+        step()
+        s.optimizer.step()
+        with PeakTensorMemory() as measured:
+            step()
+    items = {name: b for name, b, _ in make_plan(cfg).items}
+    kept = ("teacher weights", "student weights", "optimizer state", "attention score buffer")  # before the step
+    planned = sum(b for name, b in items.items() if name not in kept)
+    assert 1.0 <= planned / measured.peak <= 1.25, (planned, measured.peak, items)
