@@ -137,7 +137,8 @@ def test_bf16_master_weights_and_the_distributed_optimizer():
                "trainer.global_batch_size=8")
     n = sizing.params_per_rank(models.get_spec("tiny-student", vocab_size=2048), 2)
     plain = {k: b for k, b, _ in make_plan(cfg, gpus=8).items}
-    zero1 = make_plan(cfg, gpus=8, distributed_optimizer=True)
+    zero1 = make_plan(_cfg("trainer.precision=bf16", "parallel.tensor=2", "trainer.micro_batch_size=1",
+                           "trainer.global_batch_size=8", "trainer.distributed_optimizer=true"), gpus=8)
     assert (plain["student weights"], plain["student gradients"], plain["optimizer state"]) == (2 * n, 4 * n, 12 * n)
     assert dict((k, b) for k, b, _ in zero1.items)["optimizer state"] == 12 * n / 4  # DP = 8 / TP 2
     assert (zero1.dp, zero1.accumulation) == (4, 2)

@@ -193,7 +193,7 @@ COMMANDS: dict[str, How] = {
     "trainer.gpu_memory_gb=79.6": How(
         "not here", "needs the Qwen3 checkpoints, an indexed corpus and 8 GPUs; the plan line above runs verbatim "
         "with the same sizing overrides"),
-    "python -m kdexp.plan [--gpus N] [--mfu 0.35] [--distributed-optimizer] [--json] [overrides ...]": How(
+    "python -m kdexp.plan [--gpus N] [--mfu 0.35] [--json] [overrides ...]": How(
         "covered", "tests/test_plan.py::test_the_cli_prints_the_real_qwen3_plan_without_weights_and_rejects_bad_input"),
     "python -m kdexp.run loss=top_p loss.top_p=0.9 -m balancer.alpha=0.5,0.9,1.0": How(
         "covered", "tests/test_cli.py::test_readme_sweep_line_verbatim"),

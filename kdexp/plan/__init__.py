@@ -29,10 +29,6 @@ GiB = float(2**30)
 RESERVE_GIB = 1.0  # CUDA context (~0.5 GiB), cuBLAS workspace, NCCL buffers
 FRAGMENTATION = 0.05  # of the allocated peak: the caching allocator's reserved-but-unallocated blocks
 DEFAULT_MFU = 0.35
-# Config keys that name megatron's distributed optimizer (ZeRO-1), if the schema has one; else the --distributed-
-# optimizer flag decides (default off: the larger, safe estimate).
-_DISTOPT_KEYS = (("trainer", "distributed_optimizer"), ("trainer", "use_distributed_optimizer"),
-                 ("parallel", "distributed_optimizer"))
 
 
 @dataclass
@@ -92,14 +88,6 @@ def _spec(cfg, role: str):
     return models.get_spec(name)
 
 
-def _distributed_optimizer(cfg, default: bool) -> bool:
-    for node, key in _DISTOPT_KEYS:
-        value = getattr(getattr(cfg, node), key, None) if hasattr(cfg, node) else None
-        if value is not None:
-            return bool(value)
-    return default
-
-
 def _precision(cfg) -> tuple[str, int, int, int]:
     """(name, weight/activation bytes, gradient bytes, optimizer bytes per parameter)."""
     precision = getattr(cfg.trainer, "precision", "fp32")
@@ -121,9 +109,9 @@ def _chunk_rows(tokens: int, local_vocab: int) -> int:
     return rows(tokens, SimpleNamespace(max_local_vocab=local_vocab), torch.float32, None)
 
 
-def make_plan(cfg: Any, *, gpus: Optional[int] = None, distributed_optimizer: bool = False,
-              mfu: float = DEFAULT_MFU) -> Plan:
+def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU) -> Plan:
     """The plan of a composed config on `gpus` GPUs (default: one DP replica, parallel.tensor GPUs)."""
+    from kdexp.config.checks import accumulation_steps
     from kdexp.losses import BalancerOptions
     from kdexp.losses.logits import TOP_P_INITIAL_K
     from kdexp.models import check_tp
@@ -140,12 +128,10 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, distributed_optimizer: bo
     recompute = getattr(t, "recompute", "none")
     sp = bool(getattr(par, "sequence", False)) and tp > 1
     name, e, grad_b, opt_b = _precision(cfg)
-    distopt = _distributed_optimizer(cfg, distributed_optimizer)
+    distopt = bool(t.distributed_optimizer)  # megatron's ZeRO-1: optimizer state split over DP
     micro, seq = int(t.micro_batch_size), int(t.seq_length)
-    gb = getattr(t, "global_batch_size", None) or micro * dp
-    if gb % (micro * dp):
-        raise ValueError(f"trainer.global_batch_size={gb} is invalid: must be a multiple of trainer.micro_batch_size"
-                         f" x DP = {micro} x {dp} = {micro * dp}")
+    accumulation = accumulation_steps(t.global_batch_size, micro, dp)  # the trainer's own rule
+    gb = accumulation * micro * dp
     tokens = micro * seq
     p = Plan(teacher=cfg.model.teacher, student=cfg.model.student, gpus=gpus, tp=tp, dp=dp, precision=name,
              micro_batch=micro, seq=seq, global_batch=gb, accumulation=gb // (micro * dp), recompute=recompute,

@@ -1,4 +1,4 @@
-"""``python -m kdexp.plan [--gpus N] [--mfu F] [--distributed-optimizer] [--json] [overrides ...]``: the plan's table.
+"""``python -m kdexp.plan [--gpus N] [--mfu F] [--json] [overrides ...]``: the plan's table.
 
 The overrides are kdexp.run's (``model=qwen3 trainer.seq_length=4096 parallel.tensor=2 ...``), composed the same way;
 no weights, data or GPU are needed: checkpoint paths are read for their config.json only, and a real teacher without
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from kdexp.plan import DEFAULT_MFU, format_table, make_plan
@@ -46,8 +45,11 @@ def _check(cfg) -> None:
 
 
 def _default_gpus(tp: int) -> int:
-    world = os.environ.get("WORLD_SIZE") or os.environ.get("SLURM_NTASKS")
-    return int(world) if world and world.isdigit() and int(world) % tp == 0 else tp
+    """The launcher's world size (torchrun, submitit, an srun step) when it holds whole TP groups, else one replica."""
+    from kdexp.distributed import launch
+
+    world = launch.world_size()
+    return world if world > 1 and world % tp == 0 else tp
 
 
 def main(argv=None) -> int:
@@ -55,8 +57,6 @@ def main(argv=None) -> int:
     ap.add_argument("--gpus", type=int, default=None,
                     help="GPUs of the run (default: $WORLD_SIZE / $SLURM_NTASKS, else parallel.tensor: DP=1)")
     ap.add_argument("--mfu", type=float, default=DEFAULT_MFU, help="model FLOPs utilisation assumed (0, 1]")
-    ap.add_argument("--distributed-optimizer", action="store_true",
-                    help="optimizer state split over DP (megatron's ZeRO-1), unless the config has a key for it")
     ap.add_argument("--json", action="store_true", help="print the plan as one JSON object instead of the table")
     ap.add_argument("overrides", nargs="*", help="kdexp.run overrides (group=option, key=value)")
     args = ap.parse_args(argv)
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
         cfg = _compose(args.overrides)
         _check(cfg)
         gpus = args.gpus if args.gpus is not None else _default_gpus(int(cfg.parallel.tensor))
-        plan = make_plan(cfg, gpus=gpus, distributed_optimizer=args.distributed_optimizer, mfu=args.mfu)
+        plan = make_plan(cfg, gpus=gpus, mfu=args.mfu)
     except Exception as err:  # Hydra's composition errors and the value checks: a user error
         print(f"kdexp.plan: error: {str(err).splitlines()[0] if str(err) else type(err).__name__}", file=sys.stderr)
         return 2
