@@ -51,6 +51,12 @@ class Setup:
     student: torch.nn.Module
     optimizer: torch.optim.Optimizer
     balancer: Any
+    cache: Any = None  # teacher=cached: the kdexp.teacher.TeacherCache the KD loss reads (eval uses `teacher`)
+
+    @property
+    def kd_teacher(self):
+        """What the train step distils from: the cache when there is one, else the teacher model."""
+        return self.teacher if self.cache is None else self.cache
 
 
 def setup(cfg) -> Setup:
@@ -63,12 +69,17 @@ def setup(cfg) -> Setup:
                    val_samples=t.eval_iters * global_batch,
                    tokenizer_path=cfg.data.tokenizer or cfg.model.teacher_path)
     teacher = get_teacher(cfg, data)
+    cache = None
+    if cfg.teacher.name == "cached":  # one teacher pass into the cache (skipped when it exists), before the student
+        from kdexp.teacher.writer import ensure
+
+        cache = ensure(cfg, data, teacher)
     distributed.reseed(t.seed)  # the student's init must not depend on whether the teacher was just trained
     student = build_student(cfg, data.vocab_size)
     student.train()
     opt = optim.make_optimizer(student, lr=t.lr, weight_decay=t.weight_decay)
     balancer = objectives.build_balancer(cfg.balancer)
-    return Setup(data=data, teacher=teacher, student=student, optimizer=opt, balancer=balancer)
+    return Setup(data=data, teacher=teacher, student=student, optimizer=opt, balancer=balancer, cache=cache)
 
 
 def _final(last_train: dict, last_eval: dict) -> dict:
@@ -131,7 +142,7 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
             lr = optim.lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup=t.warmup_steps, total=t.max_steps)
             optim.set_lr(opt, lr)
             opt.zero_grad(set_to_none=True)
-            parts = train_step(student, teacher, batch, s.balancer, cfg, needs_lm)
+            parts = train_step(student, s.kd_teacher, batch, s.balancer, cfg, needs_lm)
             optim.average_gradients(student)
             parts["train/grad_norm"] = optim.clip_gradients(student, t.grad_clip)
             finite = guard.check_step(done, parts["train/loss"], parts["train/grad_norm"],

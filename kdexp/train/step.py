@@ -22,12 +22,20 @@ log = logging.getLogger("kdexp")
 
 
 def train_step(student, teacher, batch, balancer, cfg, needs_lm: bool) -> dict[str, torch.Tensor]:
-    """Forward both models, the balanced loss, backward; the detached parts for logging (no host sync)."""
-    with torch.no_grad():
-        t_logits = models.vocab_parallel_logits(teacher, batch["tokens"])
+    """Forward both models, the balanced loss, backward; the detached parts for logging (no host sync).
+
+    `teacher` is the frozen model, or an offline teacher cache (kdexp.teacher.TeacherCache): then its records of
+    the batch's samples replace the teacher forward."""
+    cached = getattr(teacher, "is_teacher_cache", False)
+    if not cached:
+        with torch.no_grad():
+            t_logits = models.vocab_parallel_logits(teacher, batch["tokens"])
     s_logits = models.vocab_parallel_logits(student, batch["tokens"])
     mask = batch["loss_mask"]
-    kd, stats = objectives.kd_loss(s_logits, t_logits, mask, cfg.loss)
+    if cached:
+        kd, stats = objectives.cached_kd_loss(s_logits, teacher, batch["sample_index"], mask, cfg.loss)
+    else:
+        kd, stats = objectives.kd_loss(s_logits, t_logits, mask, cfg.loss)
     if needs_lm:
         lm = objectives.lm_loss(s_logits, batch["labels"], mask)
     else:  # alpha == 1: the LM loss stays out of the graph; logged from a detached copy
