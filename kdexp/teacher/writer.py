@@ -171,21 +171,26 @@ def ensure(cfg, data, teacher) -> TeacherCache:
     """The run's teacher cache (built first, under the cache's lock, when missing or unfinished). Every rank."""
     layout = layout_for(cfg, data)
     key = cache_key(cfg, data, layout)
-    path = cache_location(cfg, key)
+    return ensure_at(cache_location(cfg, key), key, layout, teacher, data.train_ds, cfg.trainer.micro_batch_size)
+
+
+def ensure_at(path: Path, key: dict, layout: fmt.Layout, teacher, dataset, micro_batch_size: int) -> TeacherCache:
+    """`ensure` for an explicit location, key and layout (the tests' and tools' entry point)."""
+    path = Path(path)
     rank0 = distributed.is_rank0()
     manifest = path / fmt.MANIFEST
     with data_cache.exclusive(path, enabled=rank0):
         done = distributed.rank0_decides(manifest.is_file() if rank0 else True)
         if done:
             cache = TeacherCache(path, key)  # CacheMismatch here names what differs
+            if rank0:
+                log.info("stage teacher_cache: reusing %s", path)
         else:
             if rank0:
                 log.info("stage teacher_cache: one teacher pass over %d samples x %d tokens into %s (K_max %d, "
                          "temperatures %s, %s values, %d B/token)", layout.samples, layout.seq_length, path,
                          layout.k_max, list(layout.temperatures), layout.values, layout.bytes_per_token())
-            build(path, key, layout, teacher, data.train_ds, cfg.trainer.micro_batch_size)
+            build(path, key, layout, teacher, dataset, micro_batch_size)
             cache = TeacherCache(path, key)
     distributed.barrier()
-    if rank0:
-        log.info("stage teacher_cache: training from %s", path)
     return cache
