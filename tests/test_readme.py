@@ -153,6 +153,13 @@ def _gpu_check(proc, cwd):
 
 SMOKE = ("experiment=smoke",)
 COMMANDS: dict[str, How] = {
+    "python -m kdexp.run teacher=cached": How(
+        "covered", "tests/test_teacher_cache_run.py::test_cached_run_builds_the_cache_and_matches_the_online_run"),
+    "python -m kdexp.run -m teacher=cached loss.top_p=0.8,0.9,0.95 balancer.alpha=0.5,1.0": How(
+        "not here", "6 full runs take an hour on this shared CPU; one cached run (smoke) is "
+        "tests/test_teacher_cache_run.py::test_cached_run_builds_the_cache_and_matches_the_online_run"),
+    "python -m kdexp.bench.step teacher=cached": How(
+        "covered", "tests/test_teacher_cache_run.py::test_cached_run_builds_the_cache_and_matches_the_online_run"),
     "make run": How("dry-run", check=_make_dry_run(".venv/bin/python -m kdexp.run ")),
     "make test": How("dry-run", check=_make_dry_run(".venv/bin/ruff check kdexp conf launchers tests", ".venv/bin/python -m pytest -q -ra ")),
     "PYTHON=python3.11 make run": How("dry-run", check=_make_dry_run(
