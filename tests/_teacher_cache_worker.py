@@ -33,7 +33,13 @@ class FakeTeacher(torch.nn.Module):
     def forward(self, ids, positions, mask):
         if self.slow:
             time.sleep(self.slow)
-        return self.table[ids, positions]
+        import kdexp.distributed as kd
+
+        st = kd.state() if kd.is_initialized() else None
+        if st is None or st.tp_size == 1:
+            return self.table[ids, positions]
+        width = VOCAB // st.tp_size  # this rank's contiguous vocabulary shard, as megatron's output layer gives it
+        return self.table[ids, positions][..., st.tp_rank * width:(st.tp_rank + 1) * width]
 
 
 def dataset():

@@ -162,3 +162,28 @@ def test_layout_shapes_cover_the_samples():
     assert lay.shards == 4 and list(lay.shard_range(3)) == [9]
     shape, dt = lay.shapes(3)["indices"]
     assert shape == (3, w.SEQ, w.K_MAX) and dt == np.dtype("<u2")
+
+
+def _parallel_build(rank, world, root, tp):
+    """tp=2: TP ranks gather the vocab-parallel top-K, TP rank 0 writes; tp=1: DP=2, shards split over DP ranks."""
+    import kdexp.distributed as kd
+    from kdexp.teacher.writer import ensure_at
+
+    lay = w.layout()
+    kd.initialize(tensor_parallel=tp, seed=0)
+    cache = ensure_at(Path(root), w.key(lay), lay, w.FakeTeacher(), w.dataset(), 2)
+    return cache.read(list(range(w.SAMPLES)), 2.0)
+
+
+@pytest.mark.slow
+def test_tp2_and_dp2_builds_equal_the_single_process_build(tmp_path):
+    from kdexp.distributed.testing import run_on_processes
+
+    one = _build(tmp_path / "one").read(list(range(w.SAMPLES)), 2.0)
+    for tp in (2, 1):
+        for built in run_on_processes(_parallel_build, 2, args=(str(tmp_path / f"tp{tp}"), tp), timeout=600):
+            assert torch.equal(built[1], one[1])  # the same top-K ids
+            for a, b in zip(built, one):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    dp2 = sorted(p.name for p in (tmp_path / "tp1").glob("shard-*.json"))
+    assert dp2 == [f"shard-{j:05d}.json" for j in range(4)]
