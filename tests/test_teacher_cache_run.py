@@ -74,7 +74,7 @@ def test_cached_run_builds_the_cache_and_matches_the_online_run(env, tmp_path):
     cached = _run([*SMOKE, "teacher=cached", "teacher.shard_samples=5", f"hydra.run.dir={tmp_path / 'cached'}"],
                   env, tmp_path)
     assert cached.returncode == 0, cached.stderr[-4000:]
-    assert "stage teacher_cache: one teacher pass over 12 samples x 64 tokens" in cached.stderr
+    assert "stage teacher_cache: one teacher pass over 12 samples x 64 tokens" in cached.stdout + cached.stderr
     a, b = _train(tmp_path / "online"), _train(tmp_path / "cached")
     assert [x["step"] for x in a] == [x["step"] for x in b] and len(a) >= 8
     for x, y in zip(a, b):
@@ -88,7 +88,7 @@ def test_cached_run_builds_the_cache_and_matches_the_online_run(env, tmp_path):
                  tmp_path, module="kdexp.bench.step")
     assert bench.returncode == 0, bench.stderr[-4000:]
     out = bench.stdout.splitlines()
-    assert out[0].endswith("teacher=cached") and "one teacher pass" not in bench.stderr  # reused, not rebuilt
+    assert out[0].endswith("teacher=cached") and "one teacher pass" not in bench.stdout + bench.stderr  # reused, not rebuilt
     times = {line[:40].strip(): float(line[40:]) for line in out[2:4]}
     assert sorted(times) == ["KD train step from the teacher cache", "student fwd+bwd (LM only, no teacher)"]
     assert all(v > 0 for v in times.values()) and out[4].startswith("KD overhead: ")
