@@ -163,6 +163,8 @@ COMMANDS: dict[str, How] = {
     _TC_SWEEP: How("not here", "the measurement itself: 6 runs of 20 steps, minutes on this shared CPU; one online vs "
                    "cached smoke pair is tests/test_teacher_cache_run.py"),
     _TC_SWEEP + " teacher=cached": How("not here", "the measurement itself, as above"),
+    "python -m kdexp.bench.step --steps 10 --warmup 2 experiment=smoke logger=none teacher=cached": How(
+        "covered", "tests/test_teacher_cache_run.py::test_cached_run_builds_the_cache_and_matches_the_online_run"),
     "python -m kdexp.bench.step teacher=cached": How(
         "covered", "tests/test_teacher_cache_run.py::test_cached_run_builds_the_cache_and_matches_the_online_run"),
     "make run": How("dry-run", check=_make_dry_run(".venv/bin/python -m kdexp.run ")),
