@@ -316,6 +316,8 @@ OPTION_CHANGES = {
     ("loss", "renorm_topk"): {"name": "renorm_topk", "ghost_token": False, "normalization": "renormalize"},
     ("balancer", "alpha"): {},
     ("balancer", "dynamic"): {"name": "dynamic", "alpha": None, "kd_loss_scale": 1.0, "skip_lm_loss": True},
+    ("teacher", "online"): {},
+    ("teacher", "cached"): {"name": "cached"},
 }
 
 
@@ -329,7 +331,8 @@ def _own_keys(path: Path) -> dict:
 
 
 def test_every_option_of_the_groups_is_listed():
-    on_disk = {(p.parent.name, p.stem) for g in ("model", "data", "trainer", "logger", "loss", "balancer")
+    on_disk = {(p.parent.name, p.stem) for g in ("model", "data", "trainer", "logger", "loss", "balancer",
+                                                             "teacher")
                for p in (CONF / g).glob("*.yaml")}
     assert on_disk == set(OPTION_CHANGES)
 

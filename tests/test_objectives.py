@@ -124,3 +124,5 @@ def test_batch_to_keeps_the_fields_the_objectives_read():
              "loss_mask": torch.ones(1, 2), "position_ids": torch.arange(2)[None]}
     out = objectives.batch_to(batch, torch.device("cpu"))
     assert sorted(out) == ["labels", "loss_mask", "tokens"] and torch.equal(out["tokens"], batch["tokens"])
+    batch["sample_index"] = torch.tensor([7])  # the teacher cache's key rides along, on the host
+    assert torch.equal(objectives.batch_to(batch, torch.device("cpu"))["sample_index"], batch["sample_index"])

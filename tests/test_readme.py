@@ -160,7 +160,21 @@ def _gpu_check(proc, cwd):
 
 
 SMOKE = ("experiment=smoke",)
+_TC_SWEEP = ("python -m kdexp.run -m experiment=smoke logger=none loss.top_p=0.8,0.9,0.95 balancer.alpha=0.5,1.0 "
+             "trainer.max_steps=20 trainer.eval_interval=20 trainer.checkpoint_interval=20 trainer.log_interval=5")
 COMMANDS: dict[str, How] = {
+    "python -m kdexp.run teacher=cached": How(
+        "covered", "tests/test_teacher_cache_run.py::test_cached_run_builds_the_cache_and_matches_the_online_run"),
+    "python -m kdexp.run -m teacher=cached loss.top_p=0.8,0.9,0.95 balancer.alpha=0.5,1.0": How(
+        "not here", "6 full runs take an hour on this shared CPU; one cached run (smoke) is "
+        "tests/test_teacher_cache_run.py::test_cached_run_builds_the_cache_and_matches_the_online_run"),
+    _TC_SWEEP: How("not here", "the measurement itself: 6 runs of 20 steps, minutes on this shared CPU; one online vs "
+                   "cached smoke pair is tests/test_teacher_cache_run.py"),
+    _TC_SWEEP + " teacher=cached": How("not here", "the measurement itself, as above"),
+    "python -m kdexp.bench.step --steps 10 --warmup 2 experiment=smoke logger=none teacher=cached": How(
+        "covered", "tests/test_teacher_cache_run.py::test_cached_run_builds_the_cache_and_matches_the_online_run"),
+    "python -m kdexp.bench.step teacher=cached": How(
+        "covered", "tests/test_teacher_cache_run.py::test_cached_run_builds_the_cache_and_matches_the_online_run"),
     "make run": How("dry-run", check=_make_dry_run(".venv/bin/python -m kdexp.run ")),
     "make test": How("dry-run", check=_make_dry_run(".venv/bin/ruff check kdexp conf launchers tests", ".venv/bin/python -m pytest -q -ra ")),
     "PYTHON=python3.11 make run": How("dry-run", check=_make_dry_run(

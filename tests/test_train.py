@@ -215,7 +215,7 @@ def test_step_bench_runs_through_the_trainers_setup(env, tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout.splitlines()
-    assert out[0] == "loss=topk top_k=1024 top_p=None vocab=2048 tokens/step=128 device=cpu steps=2"
+    assert out[0] == "loss=topk top_k=1024 top_p=None vocab=2048 tokens/step=128 device=cpu steps=2 teacher=online"
     times = {line[:40].strip(): float(line[40:]) for line in out[2:4]}
     assert sorted(times) == ["KD train step (teacher, student, KD+LM)", "teacher fwd + student fwd+bwd (LM)"]
     assert all(v > 0 for v in times.values()) and out[4].startswith("KD overhead: ")

@@ -93,6 +93,43 @@ def _check_trainer(t: Any, max_positions: int) -> None:
             fail(f"trainer.{key}", getattr(t, key), "must be true or false")
 
 
+TEACHERS = ("online", "cached")
+TEACHER_VALUES = ("float32", "bfloat16", "float16")  # kdexp.teacher.format.VALUE_DTYPES (no numpy/torch import here)
+
+
+def _check_teacher(cfg: Any, vocab: Optional[int]) -> None:
+    """teacher.*: its own values, then what a cached teacher can serve of the loss (top-K_max only, cached
+    temperatures)."""
+    tc, loss = cfg.teacher, cfg.loss
+    choice("teacher.name", tc.name, TEACHERS)
+    integer("teacher.k_max", tc.k_max, ge=1)
+    if vocab is not None and tc.k_max > vocab:
+        fail("teacher.k_max", tc.k_max, f"must be in [1, the vocabulary size {vocab}]")
+    temps = list(tc.temperatures)
+    if not temps:
+        fail("teacher.temperatures", temps, "must list at least one temperature")
+    for t in temps:
+        number("teacher.temperatures", t, gt=0)
+    if len(set(float(t) for t in temps)) != len(temps):
+        fail("teacher.temperatures", temps, "must not repeat a temperature")
+    choice("teacher.dtype", tc.dtype, TEACHER_VALUES)
+    integer("teacher.shard_samples", tc.shard_samples, ge=1)
+    text("teacher.path", tc.path, none_ok=True)
+    if tc.name != "cached":
+        return
+    if loss.top_k is None:
+        what = "dense KD" if loss.top_p is None else "a nucleus (loss.top_p) not bounded by loss.top_k"
+        fail("loss.top_k", None, f"must be set with teacher=cached: the cache holds only the teacher's top-"
+                                 f"{tc.k_max} (teacher.k_max), so {what} cannot be served; set loss.top_k in "
+                                 f"[1, {tc.k_max}] or use teacher=online")
+    if loss.top_k > tc.k_max:
+        fail("loss.top_k", loss.top_k, f"must be in [1, teacher.k_max={tc.k_max}] with teacher=cached (raise "
+                                       "teacher.k_max to cache more)")
+    if float(loss.temperature) not in [float(t) for t in temps]:
+        fail("loss.temperature", loss.temperature, f"must be one of the cached teacher.temperatures {temps} with "
+                                                   "teacher=cached (add it to teacher.temperatures)")
+
+
 def _check_parallel(cfg: Any, sizes: dict, vocab: Optional[int]) -> None:
     tp = cfg.parallel.tensor
     integer("parallel.tensor", tp, ge=1)
@@ -157,5 +194,6 @@ def validate(cfg: Any) -> None:
     _check_trainer(cfg.trainer, min(s[3] for s in sizes.values()))
     _check_parallel(cfg, sizes, teacher_vocab)
     _check_scale(cfg)
+    _check_teacher(cfg, teacher_vocab)
     _check_logger(cfg)
     _check_paths(cfg)

@@ -56,6 +56,19 @@ class DataConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """The teacher group: `online` runs the teacher forward every step; `cached` trains from an offline cache of its
+    top-K_max logits + log-sum-exps (kdexp.teacher), built once (under a lock) by the first run that needs it."""
+
+    name: str = "online"  # online | cached
+    k_max: int = 1024  # cached: top-K stored per token; serves any loss.top_k <= k_max
+    temperatures: List[float] = field(default_factory=lambda: [1.0])  # cached: the loss.temperature values served
+    dtype: str = "float32"  # cached: values stored as float32 (exact) | bfloat16 | float16 (compact)
+    shard_samples: int = 64  # cached: samples per shard (the unit of resume and of checksum verification)
+    path: Optional[str] = None  # cached: cache directory; null = keyed by its content under paths.cache
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = 200
     micro_batch_size: int = 4
@@ -123,6 +136,7 @@ class KdexpConfig:
     balancer: BalancerConfig = field(default_factory=BalancerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)

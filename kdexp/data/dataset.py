@@ -171,7 +171,8 @@ def batches(ds, *, micro_batch_size: int, dp_rank: int, dp_size: int, start_samp
     seed). Step t's global batch is the next micro_batch_size * dp_size samples; rank r takes the r-th
     contiguous slice of micro_batch_size. So resuming after `k` consumed samples is ``start_sample=k``, and
     every rank yields the same number of batches (the last incomplete global batch is dropped).
-    Each batch: tokens, labels (tokens shifted by one), position_ids [b, s] long and loss_mask [b, s] float.
+    Each batch: tokens, labels (tokens shifted by one), position_ids [b, s] long, loss_mask [b, s] float and
+    sample_index [b] long (the global sample ids).
     """
     _check_positive("micro_batch_size", micro_batch_size)
     _check_positive("dp_size", dp_size)
@@ -189,5 +190,7 @@ def batches(ds, *, micro_batch_size: int, dp_rank: int, dp_size: int, start_samp
             "labels": torch.stack([it["labels"] for it in items]).long(),
             "loss_mask": torch.stack([it["loss_mask"] for it in items]).float(),
             "position_ids": torch.stack([it["position_ids"] for it in items]).long(),
+            # global sample ids: where an offline teacher cache (kdexp.teacher) keeps these samples' records
+            "sample_index": torch.arange(first, first + micro_batch_size, dtype=torch.long),
         }
         first += global_batch

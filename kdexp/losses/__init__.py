@@ -6,6 +6,8 @@ call the same functions:
 - `logits_kd_loss(student_logits, teacher_logits, *, temperature, top_k, top_p, min_k, ghost_token,
   normalization, divergence, tp_group, return_stats, ...)`: per-token KD loss (dense, Top-K, Top-P with a min-K
   floor, ghost token for the residual mass, forward/reverse KL, generalized JSD), vocab-parallel aware.
+- `teacher_topk_record(teacher_logits, k_max, temperatures)` / `cached_kd_loss(student_logits, values, indices, lse,
+  lse_rest, ...)`: what an offline teacher cache stores per token, and the same loss computed from it.
 - `KDLossOptions`: the loss options (the keywords above, their defaults and value rules), defined once; the config
   schema subclasses it and `KDLossOptions.from_config(node).kwargs()` turns a config node into the keywords.
 - `AlphaBalancer(alpha)`: total = (1 - alpha) * lm + alpha * kd;  `DynamicBalancer(kd_loss_scale, skip_lm_loss)`:
@@ -23,6 +25,7 @@ import importlib
 # without importing torch: a config error or `--cfg job` stays quick.
 _EXPORTS = {
     "logits_kd_loss": "logits", "KDStats": "logits",
+    "cached_kd_loss": "cached", "teacher_topk_record": "cached", "TeacherRecord": "cached",
     "KDLossOptions": "options", "BalancerOptions": "options", "DIVERGENCES": "options", "NORMALIZATIONS": "options",
     "BALANCERS": "options",
     "AlphaBalancer": "balancers", "DynamicBalancer": "balancers", "make_balancer": "balancers",

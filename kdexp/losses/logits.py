@@ -131,26 +131,11 @@ def logits_kd_loss(
     most ~1/16 of one fp32 [tokens, vocab] tensor, between 4 and 64 MiB). return_stats=True returns (loss, KDStats).
     """
     _check_tensors(student_logits, teacher_logits)
-    opts = KDLossOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_k=min_k, ghost_token=ghost_token,
-                         normalization=normalization, divergence=divergence, beta=beta,
-                         scale_by_temperature_squared=scale_by_temperature_squared).check()
-    if chunk_tokens is not None:
-        _check_int("chunk_tokens", chunk_tokens)
-        if chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be >= 1 or None, got {chunk_tokens}")
     local_vocab = student_logits.shape[-1]
     shard = Shard.make(local_vocab, tp_group, student_logits.device)
-    opts.check_vocabulary(shard.vocab)
-    if top_p is not None and float(top_p) == 1.0:
-        top_p = None  # cumsum(p) - p < 1 keeps everything in exact arithmetic; float rounding must not drop the tail
-    if top_p is None:
-        min_k = 1  # the floor only matters for a nucleus cut
-    cfg = _Cfg(
-        temperature=float(temperature), top_k=top_k, top_p=None if top_p is None else float(top_p), min_k=min_k,
-        ghost=bool(ghost_token) and normalization == "full", renormalize=normalization == "renormalize",
-        divergence=divergence, beta=float(beta),
-        loss_scale=float(temperature) ** 2 if scale_by_temperature_squared else 1.0, chunk_tokens=chunk_tokens,
-    )
+    cfg = make_cfg(shard.vocab, temperature=temperature, top_k=top_k, top_p=top_p, min_k=min_k, ghost_token=ghost_token,
+                   normalization=normalization, divergence=divergence, beta=beta,
+                   scale_by_temperature_squared=scale_by_temperature_squared, chunk_tokens=chunk_tokens)
     lead = student_logits.shape[:-1]
     stats: dict | None = {} if return_stats else None
     loss = _LogitsKD.apply(
@@ -159,6 +144,30 @@ def logits_kd_loss(
     if not return_stats:
         return loss
     return loss, KDStats(*(stats[name].view(lead) for name in KDStats._fields))
+
+
+def make_cfg(vocab: int, *, temperature, top_k, top_p, min_k, ghost_token, normalization, divergence, beta,
+             scale_by_temperature_squared, chunk_tokens) -> _Cfg:
+    """The checked options of one loss call (vocab: the global vocabulary), as the chunk kernels read them; shared
+    with kdexp.losses.cached so that the online and cached losses cannot drift apart."""
+    opts = KDLossOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_k=min_k, ghost_token=ghost_token,
+                         normalization=normalization, divergence=divergence, beta=beta,
+                         scale_by_temperature_squared=scale_by_temperature_squared).check()
+    if chunk_tokens is not None:
+        _check_int("chunk_tokens", chunk_tokens)
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1 or None, got {chunk_tokens}")
+    opts.check_vocabulary(vocab)
+    if top_p is not None and float(top_p) == 1.0:
+        top_p = None  # cumsum(p) - p < 1 keeps everything in exact arithmetic; float rounding must not drop the tail
+    if top_p is None:
+        min_k = 1  # the floor only matters for a nucleus cut
+    return _Cfg(
+        temperature=float(temperature), top_k=top_k, top_p=None if top_p is None else float(top_p), min_k=min_k,
+        ghost=bool(ghost_token) and normalization == "full", renormalize=normalization == "renormalize",
+        divergence=divergence, beta=float(beta),
+        loss_scale=float(temperature) ** 2 if scale_by_temperature_squared else 1.0, chunk_tokens=chunk_tokens,
+    )
 
 
 def _compute_dtype(student: torch.Tensor) -> torch.dtype:
@@ -251,7 +260,9 @@ def _lse_(x: torch.Tensor, shard: Shard, offset: torch.Tensor | None = None):
 
 class _LogitsKD(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, student, teacher, cfg: _Cfg, shard: Shard, stats):
+    def forward(ctx, student, teacher, cfg: _Cfg, shard: Shard, stats, teacher_side=None):
+        # teacher_side(rows) -> (gidx, keep, a, lr_t): the teacher half of a sparse chunk from elsewhere (a cache);
+        # `teacher` is then unused.
         n, vl = student.shape
         dev = student.device
         cd = _compute_dtype(student)
@@ -292,8 +303,10 @@ class _LogitsKD(torch.autograd.Function):
             chunks = []
             for r0 in range(0, n, rows):
                 r = slice(r0, min(n, r0 + rows))
-                out = _sparse_forward_chunk(student[r], teacher[r], buf[: r.stop - r.start], cfg, shard, cd,
-                                            st is not None)
+                b = buf[: r.stop - r.start]
+                side = (_teacher_side(teacher[r], b, cfg, shard, cd, st is not None) if teacher_side is None
+                        else teacher_side(r, cd))
+                out = _student_side(student[r], b, cfg, shard, cd, st is not None, *side)
                 loss[r] = out["loss"]
                 chunks.append((r, out["gidx"], out["keep"], out["cand_grad"], out["coef"], out["centre"]))
                 if st is not None:
@@ -337,7 +350,7 @@ class _LogitsKD(torch.autograd.Function):
                         b.add_(ctx.shift[1, r, None])
                     g = dense_backward_(a, b, ctx.raw_loss[r], ctx.aux[r], cfg.divergence, cfg.beta)
                 torch.mul(g, scale[r, None], out=grad[r])
-            return grad, None, None, None, None
+            return grad, None, None, None, None, None
         buf = torch.empty(rows, vl + 1, dtype=cd, device=dev)
         for r, gidx, keep, cand_grad, coef, centre in ctx.chunks:
             c = r.stop - r.start
@@ -352,17 +365,16 @@ class _LogitsKD(torch.autograd.Function):
                 x = _softmax_(x).mul_(coef[0][:, None] * sc)
             x.scatter_(1, lidx, cand_grad * sc)  # entries not owned / not kept land in the scratch column
             grad[r].copy_(x[:, :vl])
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
-def _sparse_forward_chunk(student, teacher, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool):
-    """One chunk of the Top-K / Top-P loss. Returns the loss, stats and the O(K) values the backward needs."""
-    c, vl = student.shape
-    neg_inf = torch.tensor(-math.inf, dtype=cd, device=student.device)
+def _teacher_side(teacher, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool):
+    """The teacher half of one Top-K / Top-P chunk: (global indices of the candidates, kept mask, teacher log-probs
+    of the candidates (unnormalised when not needed), teacher log-residual outside the kept set or None)."""
+    neg_inf = torch.tensor(-math.inf, dtype=cd, device=teacher.device)
     growing = cfg.top_k is None  # Top-P over the whole vocabulary: grow the candidate set until the nucleus fits
     # Renormalised Top-K needs neither full-vocabulary normaliser (only for the stats).
     need_t = cfg.top_p is not None or not cfg.renormalize or want_stats
-    need_s = not cfg.renormalize or want_stats
     k = cfg.top_k if cfg.top_k is not None else min(shard.vocab, max(cfg.min_k, TOP_P_INITIAL_K))
     while True:
         vals, gidx = shard.global_topk(teacher, k, cd, sort=cfg.top_p is not None)
@@ -393,7 +405,15 @@ def _sparse_forward_chunk(student, teacher, buf, cfg: _Cfg, shard: Shard, cd, wa
     if growing:  # keep is a prefix: drop the columns no token keeps (the candidate set may be far wider)
         kk = int(keep.sum(1).max())
         vals, gidx, a, keep = vals[:, :kk], gidx[:, :kk], a[:, :kk], keep[:, :kk]
+    return gidx, keep, a, (lr_t if need_t else None)
 
+
+def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, gidx, keep, a, lr_t):
+    """The student half of one Top-K / Top-P chunk, given the teacher half: the loss, stats and the O(K) values the
+    backward needs."""
+    c, vl = student.shape
+    neg_inf = torch.tensor(-math.inf, dtype=cd, device=student.device)
+    need_s = not cfg.renormalize or want_stats
     # Student: kept logits gathered from the owning ranks (zeros elsewhere, then SUM: exact), centred on the row max
     # (global, all ranks), log-sum-exp outside S. Renormalised without stats only differences within S matter, so
     # the max over S centres them without a pass over the vocabulary.

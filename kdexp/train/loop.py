@@ -61,6 +61,12 @@ class Setup:
     balancer: Any
     accumulation: int = 1  # micro-batches per optimizer step on each rank
     global_batch: int = 1  # samples per optimizer step over all DP ranks
+    cache: Any = None  # teacher=cached: the kdexp.teacher.TeacherCache the KD loss reads (eval uses `teacher`)
+
+    @property
+    def kd_teacher(self):
+        """What the train step distils from: the cache when there is one, else the teacher model."""
+        return self.teacher if self.cache is None else self.cache
 
 
 def micro_batches(stream, accumulation: int, micro_batch_size: int, device) -> list[dict]:
@@ -97,6 +103,11 @@ def setup(cfg) -> Setup:
     teacher = get_teacher(cfg, data)
     if t.precision == "bf16" and next(teacher.parameters()).dtype != torch.bfloat16:
         teacher = models.cast(teacher, torch.bfloat16)  # frozen: no grads, no optimizer state, half the memory
+    cache = None
+    if cfg.teacher.name == "cached":  # one teacher pass into the cache (skipped when it exists), before the student
+        from kdexp.teacher.writer import ensure
+
+        cache = ensure(cfg, data, teacher)
     distributed.reseed(t.seed)  # the student's init must not depend on whether the teacher was just trained
     student = build_student(cfg, data.vocab_size)
     student.train()
@@ -109,7 +120,7 @@ def setup(cfg) -> Setup:
                                    master_weights=student_dtype(cfg) != torch.float32)
     balancer = objectives.build_balancer(cfg.balancer)
     return Setup(data=data, teacher=teacher, student=student, optimizer=opt, balancer=balancer,
-                 accumulation=accumulation, global_batch=global_batch)
+                 accumulation=accumulation, global_batch=global_batch, cache=cache)
 
 
 def _final(last_train: dict, last_eval: dict) -> dict:
@@ -173,7 +184,7 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
             lr = optim.lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup=t.warmup_steps, total=t.max_steps)
             optim.set_lr(opt, lr)
             opt.zero_grad(set_to_none=True)
-            parts = train_step(student, teacher, batch, s.balancer, cfg, needs_lm,
+            parts = train_step(student, s.kd_teacher, batch, s.balancer, cfg, needs_lm,
                                micro_context=getattr(opt, "micro_context", None))
             parts["train/grad_norm"] = reduce_and_clip(student, opt, t.grad_clip)
             finite = guard.check_step(done, parts["train/loss"], parts["train/grad_norm"],

@@ -16,11 +16,16 @@ from megatron.core import tensor_parallel
 
 from kdexp import distributed
 from kdexp.losses import BalancerOptions, KDLossOptions, logits_kd_loss
+from kdexp.losses import cached_kd_loss as cached_kd_loss_fn
 
 
 def batch_to(batch: dict, device) -> dict:
-    """The fields the objectives read, on the device (position ids are rebuilt by the model code, not copied)."""
-    return {k: batch[k].to(device, non_blocking=True) for k in ("tokens", "labels", "loss_mask")}
+    """The fields the objectives read, on the device (position ids are rebuilt by the model code, not copied);
+    sample_index (the key into an offline teacher cache) stays on the host."""
+    out = {k: batch[k].to(device, non_blocking=True) for k in ("tokens", "labels", "loss_mask")}
+    if "sample_index" in batch:
+        out["sample_index"] = batch["sample_index"]
+    return out
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, denom=None) -> torch.Tensor:
@@ -60,12 +65,26 @@ def kd_loss(student: torch.Tensor, teacher: torch.Tensor, loss_mask: torch.Tenso
     train/ghost_mass (the student's mass outside it: its ghost bucket) and train/nucleus_size."""
     per_token, stats = logits_kd_loss(student, teacher, tp_group=distributed.tp_group(), return_stats=True,
                                       **KDLossOptions.from_config(loss_cfg).kwargs())
+    return _masked_parts(per_token, stats, loss_mask, denom)
+
+
+def _masked_parts(per_token, stats, loss_mask, denom=None):
     loss = masked_mean(per_token, loss_mask, denom)
     return loss, {
         "kept_mass": masked_mean(stats.teacher_kept_mass, loss_mask, denom),
         "ghost_mass": masked_mean(stats.student_residual_mass, loss_mask, denom),
         "nucleus_size": masked_mean(stats.nucleus_size.float(), loss_mask, denom),
     }
+
+
+def cached_kd_loss(student: torch.Tensor, cache, sample_index, loss_mask: torch.Tensor, loss_cfg, denom=None):
+    """`kd_loss` with the teacher read from an offline cache (kdexp.teacher.TeacherCache) at the loss's temperature:
+    the same loss, gradient and stats (kdexp.losses.cached_kd_loss)."""
+    opts = KDLossOptions.from_config(loss_cfg)
+    values, indices, lse, lse_rest = cache.read(sample_index, opts.temperature, device=student.device)
+    per_token, stats = cached_kd_loss_fn(student, values, indices, lse, lse_rest, tp_group=distributed.tp_group(),
+                                         return_stats=True, **opts.kwargs())
+    return _masked_parts(per_token, stats, loss_mask, denom)
 
 
 def full_kl(student: torch.Tensor, teacher: torch.Tensor, loss_mask: torch.Tensor, denom=None) -> torch.Tensor:

@@ -23,11 +23,18 @@ log = logging.getLogger("kdexp")
 
 
 def _micro_step(student, teacher, batch, balancer, cfg, needs_lm: bool, denom) -> dict[str, torch.Tensor]:
-    with torch.no_grad():
-        t_logits = models.vocab_parallel_logits(teacher, batch["tokens"])
+    """One micro-batch: forward both models (or read the teacher's records of the batch's samples when `teacher`
+    is an offline teacher cache, kdexp.teacher.TeacherCache), the balanced loss, backward."""
+    cached = getattr(teacher, "is_teacher_cache", False)
+    if not cached:
+        with torch.no_grad():
+            t_logits = models.vocab_parallel_logits(teacher, batch["tokens"])
     s_logits = models.vocab_parallel_logits(student, batch["tokens"])
     mask = batch["loss_mask"]
-    kd, stats = objectives.kd_loss(s_logits, t_logits, mask, cfg.loss, denom)
+    if cached:
+        kd, stats = objectives.cached_kd_loss(s_logits, teacher, batch["sample_index"], mask, cfg.loss, denom)
+    else:
+        kd, stats = objectives.kd_loss(s_logits, t_logits, mask, cfg.loss, denom)
     if needs_lm:
         lm = objectives.lm_loss(s_logits, batch["labels"], mask, denom)
     else:  # alpha == 1: the LM loss stays out of the graph; logged from a detached copy

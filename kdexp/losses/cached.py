@@ -1,0 +1,152 @@
+"""The logit KD loss against a cached teacher: what to store per token, and the loss computed from it.
+
+`teacher_topk_record(teacher_logits, k_max, temperatures)` is the teacher side of an offline cache (one pass, no
+grad): per token the teacher's global top-`k_max` logits CENTRED on the row max (so entry 0 is exactly 0; centring
+is what the online loss does first too, and it keeps a bf16/fp16 copy precise where the mass is), sorted descending,
+their global indices, and per temperature T two log-sum-exps of the centred logits / T: over the whole vocabulary
+(`lse`) and over the complement of the top-k_max set (`lse_rest`), each a sum of positive terms.
+
+`cached_kd_loss(student_logits, values, indices, lse, lse_rest, ...)` is `logits_kd_loss` with the teacher half of
+each chunk read from such a record instead of computed from full teacher logits. The student half (gather, student
+log-sum-exps, the bucket divergence, the backward, TP) is logits.py's own code, called as it is, so for any
+top_k <= k_max, top_p / min_k, ghost on/off, divergence and a cached temperature the loss and gradient are the online
+ones up to float rounding. The teacher residual outside the kept set S (top_k prefix, then the nucleus cut) is
+    logsumexp(lse_rest, kept-set candidates cut by the nucleus, entries k..k_max) - lse
+a sum of positive terms: accurate when the kept mass is within 1e-7 of 1, where 1 - sum(exp(kept)) (Megatron-LM's
+cached_logits_loss) has lost every digit. Dense KD and a nucleus not bounded by loss.top_k cannot be served from a
+top-k_max cache: ValueError.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import torch
+
+from kdexp.losses._shard import Shard
+from kdexp.losses.logits import KDStats, _chunk_rows, _LogitsKD, _load_, _lse_, _scaled, make_cfg
+
+__all__ = ["TeacherRecord", "teacher_topk_record", "cached_kd_loss"]
+
+
+class TeacherRecord(NamedTuple):
+    """Per token ([...] = the logits' leading shape): values [..., K] centred teacher logits (entry 0 is 0), sorted
+    descending; indices [..., K] global vocabulary ids (long); lse, lse_rest [..., n_temperatures] (float32/64)."""
+
+    values: torch.Tensor
+    indices: torch.Tensor
+    lse: torch.Tensor
+    lse_rest: torch.Tensor
+
+
+@torch.no_grad()
+def teacher_topk_record(teacher_logits: torch.Tensor, k_max: int, temperatures: Sequence[float], *, tp_group=None,
+                        chunk_tokens: int | None = None) -> TeacherRecord:
+    """What the cache stores for `teacher_logits` [..., V_local] (this TP rank's vocabulary shard; the record is the
+    same on every rank of `tp_group`). Float32 (float64 for float64 logits)."""
+    if not isinstance(teacher_logits, torch.Tensor) or teacher_logits.dim() < 1 or \
+            not teacher_logits.is_floating_point():
+        raise ValueError("teacher_logits must be a floating-point tensor with a vocabulary dimension")
+    temps = [float(t) for t in temperatures]
+    if not temps or any(not math.isfinite(t) or t <= 0 for t in temps):
+        raise ValueError(f"temperatures must be a non-empty list of finite numbers > 0, got {list(temperatures)}")
+    vl = teacher_logits.shape[-1]
+    shard = Shard.make(vl, tp_group, teacher_logits.device)
+    if isinstance(k_max, bool) or not isinstance(k_max, int) or not 1 <= k_max <= shard.vocab:
+        raise ValueError(f"k_max={k_max!r} is invalid: must be an integer in [1, the vocabulary size {shard.vocab}]")
+    lead = teacher_logits.shape[:-1]
+    raw = teacher_logits.reshape(-1, vl)
+    n = raw.shape[0]
+    cd = torch.float64 if raw.dtype == torch.float64 else torch.float32
+    rows = _chunk_rows(n, shard, cd, chunk_tokens)
+    values = torch.empty(n, k_max, dtype=cd, device=raw.device)
+    indices = torch.empty(n, k_max, dtype=torch.long, device=raw.device)
+    lse = torch.empty(n, len(temps), dtype=cd, device=raw.device)
+    rest = torch.empty_like(lse)
+    buf = torch.empty(rows, vl + 1, dtype=cd, device=raw.device)
+    for r0 in range(0, n, rows):
+        r = slice(r0, min(n, r0 + rows))
+        x = raw[r]
+        vals, gidx = shard.global_topk(x, k_max, cd, sort=True)
+        m = vals[:, 0].clone()  # the global row max: the top-1
+        centred = vals - m[:, None]  # the same subtraction the online loss does (exact near the max: Sterbenz)
+        values[r], indices[r] = centred, gidx
+        lidx, _ = shard.local_index(gidx)
+        for j, t in enumerate(temps):
+            xt, offset = _load_(buf[: r.stop - r.start], x, t, m)
+            lc = _lse_(xt.scatter_(1, lidx, -math.inf), shard, offset)[0]  # outside the top-k_max
+            rest[r, j] = lc
+            lse[r, j] = torch.logsumexp(torch.cat([lc[:, None], _scaled(centred, t)], 1), 1)
+    return TeacherRecord(values.view(*lead, k_max), indices.view(*lead, k_max), lse.view(*lead, len(temps)),
+                         rest.view(*lead, len(temps)))
+
+
+def cached_kd_loss(
+    student_logits: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    lse: torch.Tensor,
+    lse_rest: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_k: int = 1,
+    ghost_token: bool = True,
+    normalization: str = "full",
+    divergence: str = "forward_kl",
+    beta: float = 0.5,
+    scale_by_temperature_squared: bool = False,
+    tp_group=None,
+    return_stats: bool = False,
+    chunk_tokens: int | None = None,
+):
+    """`logits_kd_loss` (same keywords, same result) with the teacher given by a cached record at `temperature`:
+    values/indices [..., K_max] as `teacher_topk_record` gives them (any float dtype for values: a compact cache's
+    bf16/fp16 is widened here), lse/lse_rest [...] the record's log-sum-exps AT THIS temperature. top_k (<= K_max) is
+    required: the cache holds only the teacher's top-K_max."""
+    if not isinstance(student_logits, torch.Tensor) or student_logits.dim() < 1:
+        raise ValueError("student_logits must be a tensor with a vocabulary dimension")
+    lead = student_logits.shape[:-1]
+    k_max = values.shape[-1]
+    for name, t, shape in (("values", values, (*lead, k_max)), ("indices", indices, (*lead, k_max)),
+                           ("lse", lse, lead), ("lse_rest", lse_rest, lead)):
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} (student_logits "
+                             f"{tuple(student_logits.shape)}, K_max {k_max})")
+    if top_k is None:
+        raise ValueError("top_k=None is invalid with a cached teacher: the cache holds only the teacher's top-"
+                         f"{k_max}, so dense KD or an unbounded nucleus cannot be served; set top_k in [1, {k_max}]")
+    if not isinstance(top_k, bool) and isinstance(top_k, int) and top_k > k_max:
+        raise ValueError(f"top_k={top_k} is invalid: must be in [1, the cached K_max={k_max}]")
+    local_vocab = student_logits.shape[-1]
+    shard = Shard.make(local_vocab, tp_group, student_logits.device)
+    cfg = make_cfg(shard.vocab, temperature=temperature, top_k=top_k, top_p=top_p, min_k=min_k,
+                   ghost_token=ghost_token, normalization=normalization, divergence=divergence, beta=beta,
+                   scale_by_temperature_squared=scale_by_temperature_squared, chunk_tokens=chunk_tokens)
+    v = values.reshape(-1, k_max)
+    ix = indices.reshape(-1, k_max).long()
+    lz = lse.reshape(-1)
+    lr = lse_rest.reshape(-1)
+
+    def teacher_side(r: slice, cd: torch.dtype):
+        vals = _scaled(v[r].to(cd), cfg.temperature)  # already centred on the top-1
+        kept_vals, tail = vals[:, :top_k], vals[:, top_k:]
+        z = lz[r].to(cd)
+        a = kept_vals - z[:, None]
+        keep = torch.ones_like(a, dtype=torch.bool)
+        if cfg.top_p is not None:  # the online cut: float64 cumsum over the sorted candidates, min-K floor
+            p = a.double().exp()
+            cum = p.cumsum(1)
+            keep = (cum - p < cfg.top_p) | (torch.arange(top_k, device=a.device) < cfg.min_k)
+        cut = torch.where(keep, torch.full_like(kept_vals, -math.inf), kept_vals)
+        lr_t = torch.logsumexp(torch.cat([lr[r].to(cd)[:, None], tail, cut], 1), 1) - z
+        return ix[r, :top_k], keep, a, lr_t
+
+    stats: dict | None = {} if return_stats else None
+    loss = _LogitsKD.apply(student_logits.reshape(-1, local_vocab), student_logits.new_empty(0), cfg, shard, stats,
+                           teacher_side).view(lead)
+    if not return_stats:
+        return loss
+    return loss, KDStats(*(stats[name].view(lead) for name in KDStats._fields))

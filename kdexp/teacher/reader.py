@@ -1,0 +1,117 @@
+"""Random access to a finished teacher cache by global sample index (memory-mapped shards, checksummed on first use).
+
+`TeacherCache(path, key)` opens the manifest (a missing one: the cache is unfinished; a key that differs from this
+run's: a `CacheMismatch` naming every entry that differs). A shard is verified against its sha256 the first time a
+process touches it, so a truncated or garbled file is a `CacheCorrupt` naming the file, never silently used;
+`verify()` checks them all up front. `read(sample_index)` returns the stored record of those samples as tensors.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+
+from kdexp.data.cache import sha256_file
+from kdexp.teacher import format as fmt
+from kdexp.track import records
+
+
+class CacheCorrupt(RuntimeError):
+    """A shard file that is missing or fails its size / sha256 check."""
+
+
+class CacheMismatch(ValueError):
+    """A cache built for another teacher, data stream, sequence layout, K_max, temperature set or value dtype."""
+
+
+def check_shard(directory: Path, j: int, want: Optional[dict] = None) -> Optional[str]:
+    """None when shard j's files match their checksums (from `want`, else its own shard-j.json), else why not."""
+    want = want if want is not None else records.read_json(fmt.shard_file(directory, j, "json"))
+    files = want.get("files") if isinstance(want, dict) else None
+    if not isinstance(files, dict) or not files:
+        return f"{fmt.shard_file(directory, j, 'json')} is missing or unreadable (shard {j} unfinished)"
+    for name, meta in sorted(files.items()):
+        f = Path(directory) / name
+        if not f.is_file():
+            return f"{f} is missing"
+        if f.stat().st_size != meta.get("bytes"):
+            return f"{f} is {f.stat().st_size} bytes, its checksum record says {meta.get('bytes')} (truncated?)"
+        digest = sha256_file(f)
+        if digest != meta.get("sha256"):
+            return f"{f} fails its checksum (sha256 {digest[:12]}..., recorded {str(meta.get('sha256'))[:12]}...)"
+    return None
+
+
+class TeacherCache:
+    """A finished cache; `read` is safe to call from any rank (read-only memmaps)."""
+
+    is_teacher_cache = True  # the trainer's step reads this record instead of running a teacher forward
+
+    def __init__(self, path, key: Optional[dict] = None):
+        self.path = Path(path)
+        manifest = records.read_json(self.path / fmt.MANIFEST)
+        if not isinstance(manifest, dict) or manifest.get("format") != fmt.FORMAT:
+            raise CacheCorrupt(f"{self.path / fmt.MANIFEST} is missing or unreadable: the teacher cache at "
+                               f"{self.path} is unfinished (a rerun of the build resumes it)")
+        if key is not None:
+            problem = fmt.key_mismatch(key, manifest.get("key"))
+            if problem:
+                raise CacheMismatch(f"teacher cache {self.path} was built for another run ({problem}); point "
+                                    "teacher.path elsewhere (or null for the default location) or delete it")
+        self.key = manifest.get("key")
+        self.layout = fmt.Layout.from_json(manifest["layout"])
+        self._checksums = manifest["shards"]
+        self._maps: dict[int, dict[str, np.memmap]] = {}
+
+    @property
+    def k_max(self) -> int:
+        return self.layout.k_max
+
+    def temperature_index(self, temperature: float) -> int:
+        temps = [float(t) for t in self.layout.temperatures]
+        if float(temperature) not in temps:
+            raise ValueError(f"loss.temperature={temperature!r} is invalid: the teacher cache {self.path} holds "
+                             f"temperatures {temps} only")
+        return temps.index(float(temperature))
+
+    def _shard(self, j: int) -> dict[str, np.memmap]:
+        if j not in self._maps:
+            if not 0 <= j < self.layout.shards:
+                raise IndexError(f"shard {j} is outside the teacher cache's {self.layout.shards} shards")
+            problem = check_shard(self.path, j, self._checksums[str(j)])
+            if problem:
+                raise CacheCorrupt(f"teacher cache {self.path}: {problem}; delete the shard's files and its "
+                                   f"{fmt.shard_file(self.path, j, 'json').name} (a rerun rewrites that shard only)")
+            n = len(self.layout.shard_range(j))
+            self._maps[j] = {part: np.memmap(fmt.shard_file(self.path, j, part), dtype=dt, mode="r", shape=shape)
+                             for part, (shape, dt) in self.layout.shapes(n).items()}
+        return self._maps[j]
+
+    def verify(self) -> None:
+        """Check every shard's checksum now (CacheCorrupt naming the first bad file)."""
+        for j in range(self.layout.shards):
+            self._shard(j)
+
+    def read(self, sample_index, temperature: float, device=None):
+        """(values [b, s, K] float32, indices [b, s, K] long, lse [b, s], lse_rest [b, s]) of global samples
+        `sample_index` ([b] ints) at a cached `temperature`."""
+        ti = self.temperature_index(temperature)
+        idx = [int(i) for i in (sample_index.tolist() if torch.is_tensor(sample_index) else sample_index)]
+        lay = self.layout
+        if any(not 0 <= i < lay.samples for i in idx):
+            raise IndexError(f"samples {idx} are outside the teacher cache's [0, {lay.samples}): the run reads more "
+                             "samples than were cached (the cache key includes the sample count: this is a bug)")
+        vals, ids, lse = [], [], []
+        for i in idx:
+            m = self._shard(i // lay.shard_samples)
+            o = i % lay.shard_samples
+            vals.append(m["values"][o])
+            ids.append(m["indices"][o])
+            lse.append(m["lse"][o, :, ti])
+        v = fmt.decode_values(np.stack(vals), lay.values)
+        ix = fmt.decode_indices(np.stack(ids), lay.index_bytes)
+        ls = torch.from_numpy(np.stack(lse))
+        out = (v, ix, ls[..., 0].contiguous(), ls[..., 1].contiguous())
+        return out if device is None else tuple(t.to(device, non_blocking=True) for t in out)

@@ -1,0 +1,197 @@
+"""Build the offline teacher cache: one teacher pass over exactly the training stream a run reads.
+
+`ensure(cfg, data, teacher)` returns the run's `TeacherCache`, building it first when it is missing or unfinished.
+The stream is kdexp.data's: global sample i of `data.train_ds` (megatron's shuffle, the run's seed and seq layout),
+samples [0, max_steps * global_batch), so step t's records are exactly the samples step t trains on, at any DP size.
+
+- keyed (`cache_key`): teacher identity, data fingerprint and sample count, seq length, vocabulary, K_max,
+  temperatures, value dtype, record type. The default location is a hash of the key under paths.cache; an explicit
+  teacher.path holding another key is a `CacheMismatch` naming what differs;
+- one builder: global rank 0 holds the cache's flock (kdexp.data.cache.exclusive) from check to manifest, so
+  concurrent sweep points on a cold cache wait, then share it;
+- shard j is written by TP rank 0 of DP group j % dp_size (its TP ranks gather the vocab-parallel top-K inside
+  kdexp.losses.cached.teacher_topk_record), into temp files renamed into place, then its checksum record;
+- resumable: a killed build keeps its finished (checksum-verified) shards; a rerun writes only the others;
+- global rank 0 writes manifest.json last.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from kdexp import distributed, models
+from kdexp.data import cache as data_cache
+from kdexp.data.cache import sha256_file
+from kdexp.losses.cached import teacher_topk_record
+from kdexp.teacher import format as fmt
+from kdexp.teacher.reader import CacheMismatch, TeacherCache, check_shard
+from kdexp.track import records
+
+log = logging.getLogger("kdexp")
+
+# hook(j) after shard j is finished (its checksum record written). For tests: the resume test kills the build here.
+SHARD_END_HOOKS: list[Callable[[int], None]] = []
+KEY_FILE = "key.json"  # written when a build starts
+
+
+def teacher_identity(cfg, data) -> dict:
+    """What names the teacher's weights: the embedded teacher's cache entry (its key hash + the sha256 of its manifest,
+    which holds every weight file's sha256), or for teacher_path its config.json digest and weight files' names,
+    sizes and mtimes (hashing a multi-GB checkpoint on every run would cost minutes)."""
+    if cfg.model.teacher_path is None:
+        from kdexp.train.teacher import pretrained_teacher_dir
+
+        d = pretrained_teacher_dir(cfg, data)
+        return {"embedded": d.name, "manifest": sha256_file(d / data_cache.MANIFEST)}
+    p = Path(cfg.model.teacher_path).expanduser().resolve()
+    weights = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in p.iterdir()
+                     if f.suffix in (".safetensors", ".bin", ".pt"))
+    return {"path": str(p), "config": sha256_file(p / "config.json") if (p / "config.json").is_file() else None,
+            "weights": hashlib.sha256(repr(weights).encode()).hexdigest()}
+
+
+def layout_for(cfg, data) -> fmt.Layout:
+    st = distributed.state()
+    t, tc = cfg.trainer, cfg.teacher
+    global_batch = t.global_batch_size or t.micro_batch_size * st.dp_size  # samples per step, as the trainer reads
+    return fmt.Layout(samples=t.max_steps * global_batch, seq_length=t.seq_length,
+                      k_max=tc.k_max, temperatures=tuple(float(x) for x in tc.temperatures), values=tc.dtype,
+                      index_bytes=fmt.index_bytes(data.vocab_size), shard_samples=tc.shard_samples)
+
+
+def cache_key(cfg, data, layout: fmt.Layout) -> dict:
+    """JSON-native: compared entry by entry with a stored manifest's key."""
+    return {"format": fmt.FORMAT, "record": layout.record, "teacher": teacher_identity(cfg, data),
+            "params_dtype": cfg.model.params_dtype, "precision": cfg.trainer.precision, "data": data.fingerprint, "train_samples": len(data.train_ds),
+            "samples": layout.samples, "seq_length": layout.seq_length, "vocab_size": int(data.vocab_size),
+            "k_max": layout.k_max, "temperatures": list(layout.temperatures), "values": layout.values,
+            "shard_samples": layout.shard_samples}
+
+
+def cache_location(cfg, key: dict) -> Path:
+    if cfg.teacher.path is not None:
+        return Path(cfg.teacher.path).expanduser()
+    return data_cache.cached_path("teacher_cache", key, root=cfg.paths.cache)
+
+
+def _agree(flag: bool, group) -> bool:
+    """True on every rank of `group` iff it is True on all of them."""
+    if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return flag
+    t = torch.tensor([int(flag)], device=distributed.state().device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item())
+
+
+@torch.no_grad()
+def write_shard(path: Path, j: int, layout: fmt.Layout, teacher, dataset, micro_batch_size: int) -> None:
+    """Teacher forward over shard j's samples (collective over the TP group); TP rank 0 writes the files."""
+    st = distributed.state()
+    writer = st.tp_rank == 0
+    rng = layout.shard_range(j)
+    shapes = layout.shapes(len(rng))
+    tmp = {part: path / f".{fmt.shard_file(path, j, part).name}.tmp-{os.getpid()}" for part in shapes}
+    maps = {part: np.memmap(tmp[part], dtype=dt, mode="w+", shape=shape)
+            for part, (shape, dt) in shapes.items()} if writer else {}
+    temps = list(layout.temperatures)
+    for b0 in range(rng.start, rng.stop, micro_batch_size):
+        ids = range(b0, min(rng.stop, b0 + micro_batch_size))
+        tokens = torch.stack([torch.as_tensor(dataset[i]["tokens"]) for i in ids]).long().to(st.device)
+        logits = models.vocab_parallel_logits(teacher, tokens)
+        rec = teacher_topk_record(logits, layout.k_max, temps, tp_group=distributed.tp_group())
+        if writer:
+            o = slice(ids.start - rng.start, ids.stop - rng.start)
+            maps["values"][o] = fmt.encode_values(rec.values, layout.values)
+            maps["indices"][o] = fmt.encode_indices(rec.indices, layout.index_bytes)
+            maps["lse"][o] = torch.stack([rec.lse, rec.lse_rest], -1).to("cpu", torch.float32).numpy()
+    if not writer:
+        return
+    files = {}
+    for part, m in maps.items():
+        m.flush()
+        del m
+        final = fmt.shard_file(path, j, part)
+        with open(tmp[part], "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp[part], final)
+        files[final.name] = {"bytes": final.stat().st_size, "sha256": sha256_file(final)}
+    records.write_json(fmt.shard_file(path, j, "json"), {"files": files})  # last: the shard counts as finished
+
+
+def build(path: Path, key: dict, layout: fmt.Layout, teacher, dataset, micro_batch_size: int) -> None:
+    """Write every unfinished shard (collective: call on every rank), then global rank 0 writes the manifest."""
+    st = distributed.state()
+    rank0 = distributed.is_rank0()
+    path.mkdir(parents=True, exist_ok=True)
+    if rank0:
+        for stale in path.glob(".shard-*.tmp-*"):  # a killed build's half-written shard
+            stale.unlink(missing_ok=True)
+        if not (path / KEY_FILE).is_file():  # first: a resumed build must never keep shards of another key
+            records.write_json(path / KEY_FILE, key)
+    distributed.barrier()
+    problem = fmt.key_mismatch(key, records.read_json(path / KEY_FILE))
+    if problem:  # every rank reads the same file: all raise together
+        raise CacheMismatch(f"unfinished teacher cache {path} was started for another run ({problem}); point "
+                            "teacher.path elsewhere (or null for the default location) or delete it")
+    started, kept, written = time.perf_counter(), 0, 0
+    for j in range(st.dp_rank, layout.shards, st.dp_size):
+        if _agree(check_shard(path, j) is None, distributed.tp_group()):
+            kept += 1
+            continue
+        write_shard(path, j, layout, teacher, dataset, micro_batch_size)
+        written += 1
+        if rank0:
+            log.info("stage teacher_cache: shard %d/%d written (%.1f s)", j + 1, layout.shards,
+                     time.perf_counter() - started)
+        for hook in SHARD_END_HOOKS:
+            hook(j)
+    if rank0 and kept:
+        log.info("stage teacher_cache: resumed: kept %d finished shard(s), wrote %d", kept, written)
+    distributed.barrier()
+    if rank0:
+        shards = {}
+        for j in range(layout.shards):
+            problem = check_shard(path, j)
+            if problem:
+                raise RuntimeError(f"teacher cache {path}: after the build {problem}")
+            shards[str(j)] = records.read_json(fmt.shard_file(path, j, "json"))
+        records.write_json(path / fmt.MANIFEST, {"format": fmt.FORMAT, "key": key, "layout": layout.to_json(),
+                                                  "shards": shards})
+    distributed.barrier()
+
+
+def ensure(cfg, data, teacher) -> TeacherCache:
+    """The run's teacher cache (built first, under the cache's lock, when missing or unfinished). Every rank."""
+    layout = layout_for(cfg, data)
+    key = cache_key(cfg, data, layout)
+    return ensure_at(cache_location(cfg, key), key, layout, teacher, data.train_ds, cfg.trainer.micro_batch_size)
+
+
+def ensure_at(path: Path, key: dict, layout: fmt.Layout, teacher, dataset, micro_batch_size: int) -> TeacherCache:
+    """`ensure` for an explicit location, key and layout (the tests' and tools' entry point)."""
+    path = Path(path)
+    rank0 = distributed.is_rank0()
+    manifest = path / fmt.MANIFEST
+    with data_cache.exclusive(path, enabled=rank0):
+        done = distributed.rank0_decides(manifest.is_file() if rank0 else True)
+        if done:
+            cache = TeacherCache(path, key)  # CacheMismatch here names what differs
+            if rank0:
+                log.info("stage teacher_cache: reusing %s", path)
+        else:
+            if rank0:
+                log.info("stage teacher_cache: one teacher pass over %d samples x %d tokens into %s (K_max %d, "
+                         "temperatures %s, %s values, %d B/token)", layout.samples, layout.seq_length, path,
+                         layout.k_max, list(layout.temperatures), layout.values, layout.bytes_per_token())
+            build(path, key, layout, teacher, dataset, micro_batch_size)
+            cache = TeacherCache(path, key)
+    distributed.barrier()
+    return cache

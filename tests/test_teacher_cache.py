@@ -1,0 +1,189 @@
+"""kdexp.teacher: the offline teacher cache's format, writer and reader on a fake teacher (no megatron model).
+
+Read back = what teacher_topk_record computes from the same logits (fp32 bit-exact, compact to its dtype); index
+packing in 1-4 bytes; bytes on disk = the layout's bytes/token; a garbled or truncated shard is named by its checksum;
+a cache (finished or not) of another key is refused naming what differs; a build killed by SIGKILL mid-way resumes
+keeping its finished shards and ends identical to an uninterrupted build; two concurrent jobs build once.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import _teacher_cache_worker as w
+from _lone_process import lone_process
+from kdexp.losses import teacher_topk_record
+from kdexp.teacher import CacheCorrupt, CacheMismatch, TeacherCache
+from kdexp.teacher import format as fmt
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("_teacher_cache_worker.py")
+
+
+def _build(path, values="float32", **key_changes):
+    from kdexp.teacher.writer import ensure_at
+
+    lay = w.layout(values)
+    with lone_process(seed=0):
+        return ensure_at(path, w.key(lay, **key_changes), lay, w.FakeTeacher(), w.dataset(), 2)
+
+
+def _expected(samples, temp_index):
+    ds, teacher = w.dataset(), w.FakeTeacher()
+    ids = torch.stack([ds[i]["tokens"] for i in samples])
+    logits = teacher(ids, torch.arange(w.SEQ).expand_as(ids), None)
+    rec = teacher_topk_record(logits, w.K_MAX, w.TEMPS)
+    return rec.values, rec.indices, rec.lse[..., temp_index], rec.lse_rest[..., temp_index]
+
+
+@pytest.mark.parametrize("values", ["float32", "bfloat16"])
+def test_read_back_is_the_record(tmp_path, values):
+    cache = _build(tmp_path / "c", values)
+    samples = [7, 0, 9, 3]  # across shards, the short last one included
+    for ti, temp in enumerate(w.TEMPS):
+        got = cache.read(torch.tensor(samples), temp)
+        want = list(_expected(samples, ti))
+        if values == "bfloat16":
+            want[0] = want[0].to(torch.bfloat16).float()
+        for name, a, b in zip(("values", "indices", "lse", "lse_rest"), got, want):
+            assert torch.equal(a, b), name  # bit-exact: lse's are stored in float32 whatever the value dtype
+    files = sorted(p.name for p in (tmp_path / "c").iterdir())
+    assert "manifest.json" in files and "shard-00003.values" in files and not any(".tmp-" in f for f in files)
+    data = sum((tmp_path / "c" / f).stat().st_size for f in files if f.split(".")[-1] in ("values", "indices", "lse"))
+    assert data == w.SAMPLES * w.SEQ * cache.layout.bytes_per_token()
+    with pytest.raises(ValueError, match=r"loss.temperature=3.0 is invalid: .* holds temperatures \[1.0, 2.0\]"):
+        cache.read([0], 3.0)
+    with pytest.raises(IndexError, match=r"outside the teacher cache's \[0, 10\)"):
+        cache.read([10], 1.0)
+
+
+@pytest.mark.parametrize("vocab,nb", [(256, 1), (300, 2), (65536, 2), (65537, 3), (151936, 3), (2**24 + 1, 4)])
+def test_indices_pack_in_the_fewest_bytes(vocab, nb):
+    assert fmt.index_bytes(vocab) == nb
+    ids = torch.tensor([[[0, 1, vocab - 1, vocab // 2, 255 % vocab]]])
+    packed = fmt.encode_indices(ids, nb)
+    assert packed.dtype.itemsize * packed.shape[-1] == nb * ids.shape[-1]
+    assert torch.equal(fmt.decode_indices(packed, nb), ids)
+
+
+def test_bytes_per_token_qwen3():
+    """Qwen3's 151,936-entry vocabulary needs 3-byte ids: K=1024 -> 7176 B (fp32) / 5128 B (bf16) per token."""
+    lay = fmt.Layout(1, 1, 1024, (1.0,), "float32", fmt.index_bytes(151936), 1)
+    assert lay.bytes_per_token() == 1024 * (4 + 3) + 8
+    assert fmt.Layout(1, 1, 1024, (1.0,), "bfloat16", 3, 1).bytes_per_token() == 1024 * (2 + 3) + 8
+
+
+def test_corruption_is_named(tmp_path):
+    path = tmp_path / "c"
+    _build(path)
+    f = path / "shard-00001.values"
+    raw = bytearray(f.read_bytes())
+    raw[17] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    with open(path / "shard-00002.lse", "r+b") as h:
+        h.truncate(40)
+    cache = TeacherCache(path)
+    cache.read([0, 1], 1.0)  # shard 0 is intact
+    with pytest.raises(CacheCorrupt, match=r"shard-00001.values fails its checksum"):
+        cache.read([4], 1.0)
+    with pytest.raises(CacheCorrupt, match=r"shard-00002.lse is 40 bytes, its checksum record says \d+ "):
+        cache.read([6], 1.0)
+    with pytest.raises(CacheCorrupt, match="shard-00001.values"):
+        TeacherCache(path).verify()
+    (path / "manifest.json").unlink()
+    with pytest.raises(CacheCorrupt, match="unfinished"):
+        TeacherCache(path)
+
+
+def test_another_key_is_refused_naming_what_differs(tmp_path):
+    path = tmp_path / "c"
+    _build(path)
+    lay = w.layout()
+    with pytest.raises(CacheMismatch, match=r"k_max: cache 12, this run 16"):
+        TeacherCache(path, w.key(lay, k_max=16))
+    with pytest.raises(CacheMismatch, match=r"teacher: cache 'fake', this run 'other'"):
+        _build(path, teacher="other")
+    (path / "manifest.json").unlink()  # unfinished: its shards must not be resumed for another key either
+    with pytest.raises(CacheMismatch, match=r"unfinished .* \(teacher: cache 'fake', this run 'third'\)"):
+        _build(path, teacher="third")
+
+
+def _worker(path, *args, check=True):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(WORKER.parent)]), "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, str(WORKER), str(path), *args], env=env, capture_output=True, text=True,
+                          timeout=300, check=check)
+
+
+def _shard_digests(path):
+    return {p.name: p.read_bytes() for p in sorted(Path(path).glob("shard-*")) if p.suffix != ".json"}
+
+
+@pytest.mark.slow
+def test_sigkill_mid_build_resumes_keeping_finished_shards(tmp_path):
+    killed = _worker(tmp_path / "c", "--kill-after", "1", check=False)
+    assert killed.returncode == -9, killed.stderr
+    assert not (tmp_path / "c" / "manifest.json").exists()
+    assert (tmp_path / "c" / "shard-00001.json").exists() and not (tmp_path / "c" / "shard-00002.json").exists()
+    resumed = _worker(tmp_path / "c")
+    assert "kept 2 finished shard(s), wrote 2" in resumed.stderr, resumed.stderr
+    assert "shard 1/4 written" not in resumed.stderr and "shard 3/4 written" in resumed.stderr
+    fresh = _build(tmp_path / "fresh")
+    assert _shard_digests(tmp_path / "c") == _shard_digests(fresh.path)
+    TeacherCache(tmp_path / "c").verify()
+
+
+@pytest.mark.slow
+def test_concurrent_jobs_build_once(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(WORKER.parent)]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(WORKER), str(tmp_path / "c"), "--slow", "0.3"]
+    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".c.lock")) and time.monotonic() < deadline:  # the first one holds the lock
+        time.sleep(0.1)
+    second = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    outs = [p.communicate(timeout=300) for p in (first, second)]
+    assert first.returncode == 0 and second.returncode == 0, outs
+    logs = [err for _, err in outs]
+    assert sum("one teacher pass" in e for e in logs) == 1, logs
+    assert sum("stage teacher_cache: reusing" in e for e in logs) == 1, logs
+    assert all("shards=4" in out for out, _ in outs)
+    TeacherCache(tmp_path / "c").verify()
+
+
+def test_layout_shapes_cover_the_samples():
+    lay = w.layout()
+    assert lay.shards == 4 and list(lay.shard_range(3)) == [9]
+    shape, dt = lay.shapes(3)["indices"]
+    assert shape == (3, w.SEQ, w.K_MAX) and dt == np.dtype("<u2")
+
+
+def _parallel_build(rank, world, root, tp):
+    """tp=2: TP ranks gather the vocab-parallel top-K, TP rank 0 writes; tp=1: DP=2, shards split over DP ranks."""
+    import kdexp.distributed as kd
+    from kdexp.teacher.writer import ensure_at
+
+    lay = w.layout()
+    kd.initialize(tensor_parallel=tp, seed=0)
+    cache = ensure_at(Path(root), w.key(lay), lay, w.FakeTeacher(), w.dataset(), 2)
+    return cache.read(list(range(w.SAMPLES)), 2.0)
+
+
+@pytest.mark.slow
+def test_tp2_and_dp2_builds_equal_the_single_process_build(tmp_path):
+    from kdexp.distributed.testing import run_on_processes
+
+    one = _build(tmp_path / "one").read(list(range(w.SAMPLES)), 2.0)
+    for tp in (2, 1):
+        for built in run_on_processes(_parallel_build, 2, args=(str(tmp_path / f"tp{tp}"), tp), timeout=600):
+            assert torch.equal(built[1], one[1])  # the same top-K ids
+            for a, b in zip(built, one):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    dp2 = sorted(p.name for p in (tmp_path / "tp1").glob("shard-*.json"))
+    assert dp2 == [f"shard-{j:05d}.json" for j in range(4)]
