@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kdexp.config.rules import choice, fail, integer, number, text, unresolved
-from kdexp.config.sources import check_data, check_model, check_tokenizer, shapes
-from kdexp.losses.options import BalancerOptions, KDLossOptions
+from kdexp.config.sources import check_data, check_model, check_tokenizer, layer_counts, shapes
+from kdexp.losses.options import BalancerOptions, KDLossOptions, SampledKDOptions, check_intermediate
 
 
 def _check_trainer(t: Any, max_positions: int) -> None:
@@ -84,6 +84,26 @@ def _check_paths(cfg: Any) -> None:
     text("experiment_arm", cfg.experiment_arm, none_ok=True)
 
 
+def _teacher_is_cached(cfg: Any) -> bool:
+    """Whether the run reads its teacher from an offline cache (a `teacher` group, when the schema has one)."""
+    teacher = cfg.get("teacher") if hasattr(cfg, "get") else getattr(cfg, "teacher", None)
+    if teacher is None:
+        return False
+    get = teacher.get if hasattr(teacher, "get") else lambda k, d=None: getattr(teacher, k, d)
+    return get("name") == "cached" or get("cached") is True
+
+
+def _check_intermediate(cfg: Any) -> None:
+    pairs = cfg.loss.intermediate
+    if not pairs:
+        return
+    if _teacher_is_cached(cfg):
+        fail("loss.intermediate", list(pairs), "needs the online teacher's hidden states (a teacher cache stores "
+             "logits only): use teacher=online, or drop loss.intermediate")
+    layers = layer_counts(cfg)
+    check_intermediate(pairs, layers["student"], layers["teacher"], prefix="loss.")
+
+
 def validate(cfg: Any) -> None:
     """Check every value before W&B, data, teacher, model or any process group is built; a ``ValueError`` whose one
     line names the key, the value and what it must be."""
@@ -96,7 +116,9 @@ def validate(cfg: Any) -> None:
         raise ValueError(f"model.teacher vocabulary ({teacher_vocab}) and model.student vocabulary ({student_vocab}) "
                          "differ: logit distillation needs one shared vocabulary")
     check_tokenizer(cfg)
-    KDLossOptions.from_config(cfg.loss).check(teacher_vocab, prefix="loss.")  # the loss's own rules
+    kd = KDLossOptions.from_config(cfg.loss).check(teacher_vocab, prefix="loss.")  # the loss's own rules
+    SampledKDOptions.from_config(cfg.loss).check(kd, prefix="loss.")
+    _check_intermediate(cfg)
     BalancerOptions.from_config(cfg.balancer).check(prefix="balancer.")
     _check_trainer(cfg.trainer, min(s[3] for s in sizes.values()))
     _check_parallel(cfg, sizes, teacher_vocab)

@@ -65,6 +65,7 @@ def setup(cfg) -> Setup:
     teacher = get_teacher(cfg, data)
     distributed.reseed(t.seed)  # the student's init must not depend on whether the teacher was just trained
     student = build_student(cfg, data.vocab_size)
+    objectives.attach_intermediate(student, cfg.loss, teacher.kdexp_spec.hidden_size)  # before its optimizer
     student.train()
     opt = optim.make_optimizer(student, lr=t.lr, weight_decay=t.weight_decay)
     balancer = objectives.build_balancer(cfg.balancer)
@@ -131,7 +132,7 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
             lr = optim.lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup=t.warmup_steps, total=t.max_steps)
             optim.set_lr(opt, lr)
             opt.zero_grad(set_to_none=True)
-            parts = train_step(student, teacher, batch, s.balancer, cfg, needs_lm)
+            parts = train_step(student, teacher, batch, s.balancer, cfg, needs_lm, step=step)
             optim.average_gradients(student)
             parts["train/grad_norm"] = optim.clip_gradients(student, t.grad_clip)
             finite = guard.check_step(done, parts["train/loss"], parts["train/grad_norm"],

@@ -1,7 +1,10 @@
 """Per-batch objectives on vocab-parallel logits: LM cross-entropy, the KD loss, the balancer, and eval metrics.
 
 The loss and the balancer are built from their config nodes here, each through its one factory in kdexp.losses
-(`KDLossOptions.from_config(...).kwargs()`, `BalancerOptions.from_config(...).build()`).
+(`KDLossOptions.from_config(...).kwargs()`, `BalancerOptions.from_config(...).build()`). `kd_loss` is the one place
+that picks the KD estimator: the logit loss, or sampled KD when `loss.samples` is set. Hidden-state losses
+(`loss.intermediate`) are modules attached to the student (`attach_intermediate`), so their projections are trained,
+clipped, averaged over DP and checkpointed with it (and left out of the Hugging Face export).
 
 Every function takes this rank's vocabulary shard ([b, s, V/tp]) and returns values that are equal on every TP rank.
 """
@@ -13,6 +16,11 @@ from megatron.core import tensor_parallel
 
 from kdexp import distributed
 from kdexp.losses import BalancerOptions, KDLossOptions, logits_kd_loss
+from kdexp.losses.intermediate import IntermediateLoss, mean_of, scale_to_logits_loss
+from kdexp.losses.options import SampledKDOptions
+from kdexp.losses.sampled import sample_teacher, sampled_kd_loss, step_seed, unique_mass
+
+INTERMEDIATE_ATTR = "kdexp_intermediate"  # kdexp.models.hf.TRAINING_ONLY_PREFIX keeps it out of the HF export
 
 
 def batch_to(batch: dict, device) -> dict:
@@ -37,9 +45,15 @@ def build_balancer(balancer_cfg):
     return BalancerOptions.from_config(balancer_cfg).build()
 
 
-def kd_loss(student: torch.Tensor, teacher: torch.Tensor, loss_mask: torch.Tensor, loss_cfg):
+def kd_loss(student: torch.Tensor, teacher: torch.Tensor, loss_mask: torch.Tensor, loss_cfg, *, seed: int = 0):
     """Masked-mean KD loss and its masked-mean stats, logged as train/kept_mass (the teacher's mass in the kept set),
-    train/ghost_mass (the student's mass outside it: its ghost bucket) and train/nucleus_size."""
+    train/ghost_mass (the student's mass outside it: its ghost bucket) and train/nucleus_size.
+
+    With `loss.samples` set: sampled KD, drawing from the generator seeded by `seed` (`sampling_seed`); the loss is
+    the forward-KL estimate, kept_mass the teacher's mass on the distinct drawn ids, nucleus_size their number."""
+    sampled = SampledKDOptions.from_config(loss_cfg)
+    if sampled.enabled:
+        return _sampled(student, teacher, loss_mask, KDLossOptions.from_config(loss_cfg), sampled, seed)
     per_token, stats = logits_kd_loss(student, teacher, tp_group=distributed.tp_group(), return_stats=True,
                                       **KDLossOptions.from_config(loss_cfg).kwargs())
     loss = masked_mean(per_token, loss_mask)
@@ -48,6 +62,57 @@ def kd_loss(student: torch.Tensor, teacher: torch.Tensor, loss_mask: torch.Tenso
         "ghost_mass": masked_mean(stats.student_residual_mass, loss_mask),
         "nucleus_size": masked_mean(stats.nucleus_size.float(), loss_mask),
     }
+
+
+def sampling_seed(cfg, step: int) -> int:
+    """The sampled-KD seed of a (0-based) training step on this data-parallel rank: from trainer.seed and the step
+    only, so a resumed run draws exactly what the uninterrupted one drew."""
+    return step_seed(cfg.trainer.seed, step, distributed.state().dp_rank)
+
+
+def _sampled(student, teacher, loss_mask, kd: KDLossOptions, sampled: SampledKDOptions, seed: int):
+    tp = distributed.tp_group()
+    draw = sample_teacher(teacher, samples=sampled.samples, proposal_temperature=sampled.proposal_temperature,
+                          temperature=kd.temperature, seed=seed, tp_group=tp)
+    per_token = sampled_kd_loss(student, draw.ids, draw.weights, draw.teacher_logprobs, temperature=kd.temperature,
+                                scale_by_temperature_squared=kd.scale_by_temperature_squared, tp_group=tp)
+    mass, distinct = unique_mass(draw)
+    return masked_mean(per_token, loss_mask), {"kept_mass": masked_mean(mass, loss_mask),
+                                               "nucleus_size": masked_mean(distinct.float(), loss_mask)}
+
+
+def intermediate_layers(loss_cfg) -> tuple[list[int], list[int]]:
+    """The student and the teacher decoder layers whose outputs the hidden-state losses read."""
+    pairs = loss_cfg.intermediate or []
+    return [p.student for p in pairs], [p.teacher for p in pairs]
+
+
+def attach_intermediate(student: torch.nn.Module, loss_cfg, teacher_hidden: int) -> None:
+    """One IntermediateLoss per loss.intermediate pair, attached to the student (before its optimizer is made),
+    with a projection student_hidden -> teacher_hidden when the sizes differ (initialised from torch's RNG, the
+    same on every TP rank after distributed.reseed; the hidden states are replicated over TP, so are its grads)."""
+    pairs = loss_cfg.intermediate or []
+    if not pairs:
+        return
+    hidden = student.kdexp_spec.hidden_size
+    device = next(student.parameters()).device
+    modules = torch.nn.ModuleList(IntermediateLoss(p.kind, hidden, teacher_hidden) for p in pairs).to(device)
+    setattr(student, INTERMEDIATE_ATTR, modules)
+
+
+def intermediate_loss(student: torch.nn.Module, loss_cfg, student_hidden: dict, teacher_hidden: dict,
+                      loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean over the pairs of each pair's masked-mean per-token loss (hidden states [s, b, h], the mask [b, s])."""
+    modules = getattr(student, INTERMEDIATE_ATTR)
+    losses = [masked_mean(m(student_hidden[p.student].transpose(0, 1), teacher_hidden[p.teacher].transpose(0, 1)),
+                          loss_mask) for m, p in zip(modules, loss_cfg.intermediate)]
+    return mean_of(losses)
+
+
+def with_intermediate(kd: torch.Tensor, intermediate: torch.Tensor) -> torch.Tensor:
+    """KD term of the balancer: the logit loss plus the intermediate loss rescaled to |logit loss| (ModelOpt's
+    LogitsAndIntermediatesLossBalancer convention, kdexp.losses.intermediate.scale_to_logits_loss)."""
+    return kd + scale_to_logits_loss(intermediate, kd)
 
 
 def full_kl(student: torch.Tensor, teacher: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

@@ -21,13 +21,20 @@ from kdexp.train.errors import Diverged
 log = logging.getLogger("kdexp")
 
 
-def train_step(student, teacher, batch, balancer, cfg, needs_lm: bool) -> dict[str, torch.Tensor]:
-    """Forward both models, the balanced loss, backward; the detached parts for logging (no host sync)."""
-    with torch.no_grad():
+def train_step(student, teacher, batch, balancer, cfg, needs_lm: bool, step: int = 0) -> dict[str, torch.Tensor]:
+    """Forward both models, the balanced loss, backward; the detached parts for logging (no host sync).
+    `step` (0-based) seeds sampled KD's draws."""
+    s_layers, t_layers = objectives.intermediate_layers(cfg.loss)
+    with torch.no_grad(), models.capture_hidden(teacher, t_layers) as t_hidden:
         t_logits = models.vocab_parallel_logits(teacher, batch["tokens"])
-    s_logits = models.vocab_parallel_logits(student, batch["tokens"])
+    with models.capture_hidden(student, s_layers) as s_hidden:
+        s_logits = models.vocab_parallel_logits(student, batch["tokens"])
     mask = batch["loss_mask"]
-    kd, stats = objectives.kd_loss(s_logits, t_logits, mask, cfg.loss)
+    kd, stats = objectives.kd_loss(s_logits, t_logits, mask, cfg.loss, seed=objectives.sampling_seed(cfg, step))
+    kd_logged = kd
+    if s_layers:
+        stats["intermediate_loss"] = objectives.intermediate_loss(student, cfg.loss, s_hidden, t_hidden, mask)
+        kd = objectives.with_intermediate(kd, stats["intermediate_loss"])
     if needs_lm:
         lm = objectives.lm_loss(s_logits, batch["labels"], mask)
     else:  # alpha == 1: the LM loss stays out of the graph; logged from a detached copy
@@ -37,7 +44,7 @@ def train_step(student, teacher, batch, balancer, cfg, needs_lm: bool) -> dict[s
     total, _ = balancer(lm, kd)
     total.backward()
     return {"train/loss": total.detach(), "train/lm_loss": (lm if lm is not None else lm_logged).detach(),
-            "train/kd_loss": kd.detach(), **{f"train/{k}": v for k, v in stats.items()}}
+            "train/kd_loss": kd_logged.detach(), **{f"train/{k}": v.detach() for k, v in stats.items()}}
 
 
 @torch.no_grad()
