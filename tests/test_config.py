@@ -28,7 +28,7 @@ def test_default_composes_and_validates():
 
 @pytest.mark.parametrize("group", ["loss=dense", "loss=topk", "loss=top_p", "loss=renorm_topk", "balancer=alpha",
                                    "balancer=dynamic", "logger=none", "arm=before", "arm=after", "arm=top_p",
-                                   "experiment=smoke"])
+                                   "arm=sampled", "loss=sampled", "experiment=smoke"])
 def test_every_group_option_validates(group):
     validate(cfg_of(group))
 
