@@ -112,13 +112,16 @@ def test_hidden_states_loss_and_projection_gradient_match_a_hand_computation(pai
     assert res["decoder_grad"]  # the student's own layers are trained through the hidden-state loss too
 
 
-def test_scaled_to_the_logits_loss_with_a_detached_factor():
+def test_the_balancer_adds_it_scaled_to_the_logits_loss_with_a_detached_factor():
+    from kdexp.losses import AlphaBalancer
+
+    lm = torch.tensor(4.0, requires_grad=True)
     kd_loss = torch.tensor(2.5, requires_grad=True)
     inter = torch.tensor(0.1, requires_grad=True)
-    total = objectives.with_intermediate(kd_loss, inter)
+    total, _ = AlphaBalancer(alpha=0.9)(lm, kd_loss, inter)  # what train_step calls
     total.backward()
-    assert float(total.detach()) == pytest.approx(5.0)  # kd + inter * |kd| / |inter|
-    assert float(kd_loss.grad) == 1.0 and float(inter.grad) == pytest.approx(25.0)  # the factor is a constant
+    assert float(total.detach()) == pytest.approx(0.1 * 4.0 + 0.9 * (2.5 + 2.5))  # kd + inter * |kd| / |inter|
+    assert float(kd_loss.grad) == pytest.approx(0.9) and float(inter.grad) == pytest.approx(0.9 * 25.0)  # constant
 
 
 def _tp2_worker(rank, world, pair):
@@ -168,27 +171,43 @@ def test_a_cached_teacher_refuses_hidden_state_losses():
         validate(cfg)
 
 
+def _train(run_dir):
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [x for x in lines if x["kind"] == "train"]
+
+
 @pytest.mark.slow
-def test_a_run_logs_the_intermediate_loss_and_exports_without_the_projection(tmp_path):
+def test_a_sampled_run_with_hidden_state_losses_resumes_exactly_and_exports_without_the_projection(tmp_path):
+    """loss=sampled + loss.intermediate through kdexp.run: train/intermediate_loss logged, the projection checkpointed
+    with the student and left out of the HF export, and a run killed after step 3 (checkpoint at 2) resumes to the
+    uninterrupted run's numbers: the same draws (seeded by trainer.seed and the step) and the same projection."""
     from test_train import kdexp_run  # the subprocess helper of the training tests
 
     # The session's KDEXP_CACHE (tests/conftest.py): the embedded teacher is pretrained once for all such runs.
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("KDEXP_RUN_STAMP", None)
-    run_dir = tmp_path / "run"
-    kdexp_run(["experiment=smoke", "trainer.max_steps=2", "trainer.eval_interval=2", "trainer.checkpoint_interval=2",
-               "trainer.export_hf=true", "logger=none", "loss.intermediate=[{student: 1, teacher: 3, kind: cosine}]",
-               f"hydra.run.dir={run_dir}"], env, tmp_path)
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    inter = [x["train/intermediate_loss"] for x in lines if x["kind"] == "train"]
-    assert len(inter) == 2 and all(0 < v <= 2 for v in inter)  # 1 - cos is in [0, 2]
-    ckpt = sorted((run_dir / "checkpoints").rglob("*.pt"))
-    assert ckpt, list((run_dir / "checkpoints").rglob("*"))
-    state = torch.load(ckpt[-1], weights_only=False)
-    assert any(k.startswith(objectives.INTERMEDIATE_ATTR) for k in state["model"])  # resumed with the student
-    hf = json.loads((run_dir / "student_hf" / "config.json").read_text())
-    assert hf["hidden_size"] == 128
+    args = ["experiment=smoke", "trainer.max_steps=4", "trainer.eval_interval=2", "trainer.checkpoint_interval=2",
+            "logger=none", "loss=sampled", "loss.samples=16", "loss.intermediate=[{student: 1, teacher: 3}]"]
+    ref, killed = tmp_path / "ref", tmp_path / "killed"
+    kdexp_run([*args, "trainer.export_hf=true", f"hydra.run.dir={ref}"], env, tmp_path)
+    proc = kdexp_run([*args, f"hydra.run.dir={killed}"], env, tmp_path, check=False, kill_at=3)
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    kdexp_run([*args, f"hydra.run.dir={killed}"], env, tmp_path)
+
+    train = _train(ref)
+    assert [x["step"] for x in train] == [1, 2, 3, 4]
+    assert all(0 < x["train/intermediate_loss"] <= 2 for x in train)  # 1 - cos is in [0, 2]
+    assert all(1 <= x["train/nucleus_size"] <= 16 and 0 < x["train/kept_mass"] <= 1 for x in train)
+    resumed = _train(killed)
+    assert [x["step"] for x in resumed] == [1, 2, 3, 4]
+    for a, b in zip(resumed, train):
+        for key in ("train/loss", "train/kd_loss", "train/intermediate_loss", "train/kept_mass", "train/nucleus_size"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), (a["step"], key)
+
+    state = torch.load(ref / "checkpoints" / "step_4" / "tp0.pt", weights_only=False)  # kdexp.train.checkpoint
+    assert any(k.startswith(objectives.INTERMEDIATE_ATTR) for k in state["model"])
+    assert json.loads((ref / "student_hf" / "config.json").read_text())["hidden_size"] == 128
     from safetensors import safe_open
 
-    with safe_open(str(run_dir / "student_hf" / "model.safetensors"), "pt") as f:
-        assert not any("kdexp" in k for k in f.keys())
+    with safe_open(str(ref / "student_hf" / "model.safetensors"), "pt") as f:
+        assert f.keys() and not any("kdexp" in k for k in f.keys())

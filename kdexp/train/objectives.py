@@ -16,7 +16,7 @@ from megatron.core import tensor_parallel
 
 from kdexp import distributed
 from kdexp.losses import BalancerOptions, KDLossOptions, logits_kd_loss
-from kdexp.losses.intermediate import IntermediateLoss, mean_of, scale_to_logits_loss
+from kdexp.losses.intermediate import IntermediateLoss, mean_of
 from kdexp.losses.options import SampledKDOptions
 from kdexp.losses.sampled import sample_teacher, sampled_kd_loss, step_seed, unique_mass
 
@@ -102,17 +102,12 @@ def attach_intermediate(student: torch.nn.Module, loss_cfg, teacher_hidden: int)
 
 def intermediate_loss(student: torch.nn.Module, loss_cfg, student_hidden: dict, teacher_hidden: dict,
                       loss_mask: torch.Tensor) -> torch.Tensor:
-    """Mean over the pairs of each pair's masked-mean per-token loss (hidden states [s, b, h], the mask [b, s])."""
+    """Mean over the pairs of each pair's masked-mean per-token loss (hidden states [s, b, h], the mask [b, s]). The
+    balancer adds it to the KD term rescaled to |logit KD loss| (kdexp.losses.balancers: ModelOpt's convention)."""
     modules = getattr(student, INTERMEDIATE_ATTR)
     losses = [masked_mean(m(student_hidden[p.student].transpose(0, 1), teacher_hidden[p.teacher].transpose(0, 1)),
                           loss_mask) for m, p in zip(modules, loss_cfg.intermediate)]
     return mean_of(losses)
-
-
-def with_intermediate(kd: torch.Tensor, intermediate: torch.Tensor) -> torch.Tensor:
-    """KD term of the balancer: the logit loss plus the intermediate loss rescaled to |logit loss| (ModelOpt's
-    LogitsAndIntermediatesLossBalancer convention, kdexp.losses.intermediate.scale_to_logits_loss)."""
-    return kd + scale_to_logits_loss(intermediate, kd)
 
 
 def full_kl(student: torch.Tensor, teacher: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

@@ -31,20 +31,19 @@ def train_step(student, teacher, batch, balancer, cfg, needs_lm: bool, step: int
         s_logits = models.vocab_parallel_logits(student, batch["tokens"])
     mask = batch["loss_mask"]
     kd, stats = objectives.kd_loss(s_logits, t_logits, mask, cfg.loss, seed=objectives.sampling_seed(cfg, step))
-    kd_logged = kd
-    if s_layers:
-        stats["intermediate_loss"] = objectives.intermediate_loss(student, cfg.loss, s_hidden, t_hidden, mask)
-        kd = objectives.with_intermediate(kd, stats["intermediate_loss"])
+    inter = objectives.intermediate_loss(student, cfg.loss, s_hidden, t_hidden, mask) if s_layers else None
+    if inter is not None:
+        stats["intermediate_loss"] = inter
     if needs_lm:
         lm = objectives.lm_loss(s_logits, batch["labels"], mask)
     else:  # alpha == 1: the LM loss stays out of the graph; logged from a detached copy
         with torch.no_grad():
             lm_logged = objectives.lm_loss(s_logits.detach(), batch["labels"], mask)
         lm = None
-    total, _ = balancer(lm, kd)
+    total, _ = balancer(lm, kd, inter)  # the intermediate loss joins the KD term rescaled to |kd|
     total.backward()
     return {"train/loss": total.detach(), "train/lm_loss": (lm if lm is not None else lm_logged).detach(),
-            "train/kd_loss": kd_logged.detach(), **{f"train/{k}": v.detach() for k, v in stats.items()}}
+            "train/kd_loss": kd.detach(), **{f"train/{k}": v.detach() for k, v in stats.items()}}
 
 
 @torch.no_grad()
