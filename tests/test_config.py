@@ -274,6 +274,7 @@ OPTION_CHANGES = {
     ("loss", "dense"): {"name": "dense", "top_k": None, "ghost_token": False},
     ("loss", "top_p"): {"name": "top_p", "top_k": None, "top_p": 0.95, "min_k": 4},
     ("loss", "renorm_topk"): {"name": "renorm_topk", "ghost_token": False, "normalization": "renormalize"},
+    ("loss", "sampled"): {"name": "sampled", "top_k": None, "ghost_token": False, "samples": 64},
     ("balancer", "alpha"): {},
     ("balancer", "dynamic"): {"name": "dynamic", "alpha": None, "kd_loss_scale": 1.0, "skip_lm_loss": True},
 }

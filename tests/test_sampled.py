@@ -133,3 +133,32 @@ def test_tp2_draws_and_gradients_equal_tp1():
         torch.testing.assert_close(draw.teacher_logprobs, ref.teacher_logprobs)
         torch.testing.assert_close(loss, ref_loss.detach())
         torch.testing.assert_close(grad, s.grad[:, rank * V // 2:(rank + 1) * V // 2])
+
+
+@pytest.mark.parametrize("overrides,says", [
+    (["loss=sampled", "loss.samples=0"], r"loss.samples=0 is invalid: must be an integer >= 1"),
+    (["loss=sampled", "loss.proposal_temperature=0"], r"loss.proposal_temperature=0.0 is invalid: must be a finite "
+                                                      r"number > 0"),
+    (["loss.proposal_temperature=1.5"], r"loss.proposal_temperature=1.5 is invalid: it is used by sampled KD only"),
+    (["loss.samples=16"], r"loss.top_k=1024 is invalid with loss.samples=16: .* set loss.top_k=null"),
+    (["loss=sampled", "loss.ghost_token=true"], r"loss.ghost_token=True is invalid .* set loss.ghost_token=false"),
+    (["loss=sampled", "loss.divergence=reverse_kl"], r"loss.divergence='reverse_kl' is invalid .* forward KL"),
+    (["loss=sampled", "loss.top_p=0.9"], r"loss.top_p=0.9 is invalid with loss.samples=64"),
+])
+def test_bad_sampled_options_are_config_errors(overrides, says):
+    from test_config import cfg_of
+
+    from kdexp.config import validate
+
+    with pytest.raises(ValueError, match=says):
+        validate(cfg_of(*overrides))
+
+
+def test_loss_sampled_validates_with_a_proposal_temperature():
+    from test_config import cfg_of
+
+    from kdexp.config import validate
+
+    cfg = cfg_of("loss=sampled", "loss.proposal_temperature=1.5", "loss.samples=12")
+    validate(cfg)
+    assert (cfg.loss.samples, cfg.loss.proposal_temperature, cfg.loss.top_k) == (12, 1.5, None)
