@@ -28,30 +28,39 @@ def _exact_grad(student, teacher, T=1.0):
     return (q - p) / T
 
 
-def _standard_error(teacher, samples, T=1.0):
-    """Standard error of the mean gradient over DRAWS: with proposal = target each coordinate is (s_i - c_i / S) / T,
-    c_i ~ Binomial(S, p_i), so its variance is p_i (1 - p_i) / (S T^2) (exact, also for ids never drawn, where an
-    empirical standard deviation would be 0)."""
-    p = torch.softmax(teacher / T, 0)
-    return (p * (1 - p) / (samples * T ** 2) / DRAWS).sqrt()
+def _standard_error(student, teacher, samples, T=1.0, proposal=None):
+    """Exact standard error of the mean per-draw gradient over DRAWS, from the multinomial covariance (no empirical
+    variance: an id never drawn would get 0). With plain importance weights w = diag(r) c / S, r = p / q,
+    c ~ Multinomial(S, q), the gradient w.r.t. z = s * T is g = (s r^T - diag(r)) c / (S T), so
+    Cov(g) = A (diag(q) - q q^T) A^T / (S T^2). At proposal == target (r = 1) the normalised weights are the same."""
+    proposal = T if proposal is None else proposal
+    p, q = torch.softmax(teacher / T, 0), torch.softmax(teacher / proposal, 0)
+    s = torch.softmax(student / T, 0)
+    r = p / q
+    A = s[:, None] * r[None, :] - torch.diag(r)
+    cov = A @ (torch.diag(q) - q[:, None] * q[None, :]) @ A.T / (samples * T ** 2)
+    return (cov.diagonal() / DRAWS).sqrt()
 
 
-def _per_draw_grads(student, teacher, *, samples, T=1.0, seed=7):
+def _per_draw_grads(student, teacher, *, samples, T=1.0, proposal=None, normalize=True, seed=7):
     """One row per independent draw of `samples` ids (the same token repeated): per-row gradients [DRAWS, V]."""
     t = teacher.expand(DRAWS, V).contiguous()
     s = student.expand(DRAWS, V).clone().requires_grad_(True)
-    draw = sample_teacher(t, samples=samples, proposal_temperature=T, temperature=T, seed=seed)
+    draw = sample_teacher(t, samples=samples, proposal_temperature=T if proposal is None else proposal,
+                          temperature=T, seed=seed, normalize=normalize)
     loss = sampled_kd_loss(s, draw.ids, draw.weights, draw.teacher_logprobs, temperature=T)
     loss.sum().backward()
     return s.grad, loss.detach(), draw
 
 
-@pytest.mark.parametrize("samples,T", [(8, 1.0), (3, 1.5)])
-def test_mean_gradient_is_the_full_forward_kl_gradient(samples, T):
+@pytest.mark.parametrize("samples,T,proposal,normalize", [(8, 1.0, None, True), (3, 1.5, None, True),
+                                                         (8, 1.0, 2.0, False)])
+def test_mean_gradient_is_the_full_forward_kl_gradient(samples, T, proposal, normalize):
     teacher, student = _toy()
-    grads, losses, draw = _per_draw_grads(student, teacher, samples=samples, T=T)
+    grads, losses, draw = _per_draw_grads(student, teacher, samples=samples, T=T, proposal=proposal,
+                                          normalize=normalize)
     exact = _exact_grad(student, teacher, T)
-    se = _standard_error(teacher, samples, T)
+    se = _standard_error(student, teacher, samples, T, proposal)
     z = (grads.mean(0) - exact) / se
     assert z.abs().max() < Z_MAX, f"max |z| = {z.abs().max():.2f}"
     assert (z ** 2).mean() < 1.6  # chi-square / dof: ~1 for an unbiased estimator (64 dof: sd of the mean ~0.18)
@@ -59,16 +68,29 @@ def test_mean_gradient_is_the_full_forward_kl_gradient(samples, T):
     p, logq = torch.softmax(teacher / T, 0), torch.log_softmax(student / T, 0)
     kl = (p * (p.log() - logq)).sum()
     assert abs(losses.mean() - kl) < Z_MAX * losses.std() / DRAWS ** 0.5
-    # Unique ids per token, counts sum to the draws, weights sum to 1.
+    # Unique ids per token, counts sum to the draws; normalised weights sum to 1, plain ones to 1 in expectation.
     assert (draw.counts.sum(-1) == samples).all()
-    torch.testing.assert_close(draw.weights.sum(-1), torch.ones(DRAWS, dtype=torch.float64))
+    if normalize:
+        torch.testing.assert_close(draw.weights.sum(-1), torch.ones(DRAWS, dtype=torch.float64))
+    else:
+        wsum = draw.weights.sum(-1)
+        assert abs(wsum.mean() - 1) < Z_MAX * wsum.std() / DRAWS ** 0.5
+
+
+def test_self_normalised_weights_are_biased_with_another_proposal():
+    """Why loss.normalize_weights exists: with a flatter proposal (2.0 vs 1.0) and 8 draws the paper's normalised
+    weights miss the full gradient by many standard errors, the plain importance weights (above) do not."""
+    teacher, student = _toy()
+    grads, _, _ = _per_draw_grads(student, teacher, samples=8, proposal=2.0, normalize=True)
+    z = (grads.mean(0) - _exact_grad(student, teacher)) / _standard_error(student, teacher, 8, 1.0, 2.0)
+    assert z.abs().max() > Z_MAX and (z ** 2).mean() > 5  # (measured: max |z| 8.3, chi-square / dof 11.8)
 
 
 def test_topk_gradient_is_biased_where_sampled_is_not():
     teacher, student = _toy()
     grads, _, _ = _per_draw_grads(student, teacher, samples=8)
     exact = _exact_grad(student, teacher)
-    se = _standard_error(teacher, 8)
+    se = _standard_error(student, teacher, 8)
     sampled_z = ((grads.mean(0) - exact) / se).abs().max()
     for kw in (dict(top_k=8), dict(top_k=8, ghost_token=False, normalization="renormalize")):
         s = student[None].clone().requires_grad_(True)
@@ -140,6 +162,7 @@ def test_tp2_draws_and_gradients_equal_tp1():
     (["loss=sampled", "loss.proposal_temperature=0"], r"loss.proposal_temperature=0.0 is invalid: must be a finite "
                                                       r"number > 0"),
     (["loss.proposal_temperature=1.5"], r"loss.proposal_temperature=1.5 is invalid: it is used by sampled KD only"),
+    (["loss.normalize_weights=false"], r"loss.normalize_weights=False is invalid: it is used by sampled KD only"),
     (["loss.samples=16"], r"loss.top_k=1024 is invalid with loss.samples=16: .* set loss.top_k=null"),
     (["loss=sampled", "loss.ghost_token=true"], r"loss.ghost_token=True is invalid .* set loss.ghost_token=false"),
     (["loss=sampled", "loss.divergence=reverse_kl"], r"loss.divergence='reverse_kl' is invalid .* forward KL"),

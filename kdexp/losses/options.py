@@ -121,6 +121,8 @@ class SampledKDOptions:
 
     samples: Optional[int] = None  # draws per token from the teacher's proposal (with replacement); None = not sampled
     proposal_temperature: float = 1.0  # the proposal q = softmax(teacher / this); unbiased when equal to temperature
+    # true: weights c p / q normalised to sum 1 (the paper's); false: (c / samples) p / q, unbiased for any proposal
+    normalize_weights: bool = True
 
     @classmethod
     def from_config(cls, node: Any) -> "SampledKDOptions":
@@ -136,10 +138,13 @@ class SampledKDOptions:
         t = self.proposal_temperature
         if not _is_real(t) or not math.isfinite(t) or not t > 0:
             raise ValueError(f"{prefix}proposal_temperature={t!r} is invalid: must be a finite number > 0")
+        if not isinstance(self.normalize_weights, bool):
+            raise ValueError(f"{prefix}normalize_weights={self.normalize_weights!r} is invalid: must be true or false")
         if self.samples is None:
-            if t != 1.0:
-                raise ValueError(f"{prefix}proposal_temperature={t!r} is invalid: it is used by sampled KD only; set "
-                                 f"{prefix}samples (e.g. loss=sampled) or leave it at 1.0")
+            for key, default in (("proposal_temperature", 1.0), ("normalize_weights", True)):
+                if getattr(self, key) != default:
+                    raise ValueError(f"{prefix}{key}={getattr(self, key)!r} is invalid: it is used by sampled KD only; "
+                                     f"set {prefix}samples (e.g. loss=sampled) or leave it at {_yaml(default)}")
             return self
         if not _is_int(self.samples) or self.samples < 1:
             raise ValueError(f"{prefix}samples={self.samples!r} is invalid: must be an integer >= 1 (draws per "

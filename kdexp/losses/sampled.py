@@ -7,7 +7,9 @@ does, and the student is trained with the cross-entropy -sum_i w_i log s_i (s = 
 vocabulary). Its gradient w.r.t. z / T is (sum_i w_i) s - w (scattered onto the drawn ids). With
 proposal_temperature == temperature every weight is c_i / samples, so E[w] = p and the gradient equals the full
 forward-KL gradient s - p in expectation (exactly unbiased, tests/test_sampled.py checks it statistically); with another
-proposal the self-normalised weights are consistent, with a bias of order 1/samples.
+proposal the self-normalised weights are consistent, with a bias of order 1/samples; `normalize=False`
+(loss.normalize_weights=false) keeps the plain importance weights (c_i / samples) p_i / q_i instead, unbiased for any
+proposal at a higher variance.
 
 Two entry points, so that an offline cache can store the draws and feed them back:
   - `sample_teacher(teacher_logits, samples=..., proposal_temperature=..., temperature=..., seed=...)` ->
@@ -70,9 +72,14 @@ def _compact(ids: torch.Tensor):
 
 @torch.no_grad()
 def sample_teacher(teacher_logits: torch.Tensor, *, samples: int, proposal_temperature: float = 1.0,
-                   temperature: float = 1.0, seed: int = 0, tp_group=None) -> TokenSamples:
+                   temperature: float = 1.0, seed: int = 0, normalize: bool = True,
+                   tp_group=None) -> TokenSamples:
     """Draw `samples` ids per token from softmax(teacher_logits / proposal_temperature) over the global vocabulary
-    (this rank holds the contiguous shard [.., V/tp]); deterministic in `seed`, the same on every TP rank."""
+    (this rank holds the contiguous shard [.., V/tp]); deterministic in `seed`, the same on every TP rank.
+
+    normalize=True: weights c p / q normalised to sum 1 (the paper's sparse target; exactly unbiased when the two
+    temperatures are equal, O(1/samples) bias otherwise). normalize=False: weights (c / samples) p / q, the plain
+    importance-sampling estimate, unbiased for any proposal (E[w] = p) at a higher variance; they need not sum to 1."""
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"samples must be an integer >= 1, got {samples!r}")
     for name, v in (("proposal_temperature", proposal_temperature), ("temperature", temperature)):
@@ -125,8 +132,11 @@ def sample_teacher(teacher_logits: torch.Tensor, *, samples: int, proposal_tempe
     used = counts > 0
     # w_i = c_i p_i / q_i, normalised; at proposal_temperature == temperature log_p - log_q is exactly 0 (same ops).
     log_w = torch.where(used, log_p - log_q, torch.full_like(log_p, -float("inf")))
-    w = counts.double() * (log_w - log_w.amax(1, keepdim=True)).exp()
-    w = w / w.sum(1, keepdim=True)
+    if normalize:
+        w = counts.double() * (log_w - log_w.amax(1, keepdim=True)).exp()
+        w = w / w.sum(1, keepdim=True)
+    else:
+        w = counts.double() / samples * log_w.exp()
     dtype = torch.float64 if teacher_logits.dtype == torch.float64 else torch.float32
     shape = (*lead, samples)
     return TokenSamples(ids.reshape(shape), counts.reshape(shape), w.to(dtype).reshape(shape),

@@ -73,7 +73,7 @@ def sampling_seed(cfg, step: int) -> int:
 def _sampled(student, teacher, loss_mask, kd: KDLossOptions, sampled: SampledKDOptions, seed: int):
     tp = distributed.tp_group()
     draw = sample_teacher(teacher, samples=sampled.samples, proposal_temperature=sampled.proposal_temperature,
-                          temperature=kd.temperature, seed=seed, tp_group=tp)
+                          temperature=kd.temperature, seed=seed, normalize=sampled.normalize_weights, tp_group=tp)
     per_token = sampled_kd_loss(student, draw.ids, draw.weights, draw.teacher_logprobs, temperature=kd.temperature,
                                 scale_by_temperature_squared=kd.scale_by_temperature_squared, tp_group=tp)
     mass, distinct = unique_mass(draw)
