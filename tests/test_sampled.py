@@ -141,6 +141,7 @@ def _tp_worker(rank, world, teacher, student, seed):
     return draw, loss.detach(), s.grad
 
 
+@pytest.mark.slow  # two spawned processes importing megatron: ~1 min on a loaded 2-core machine
 def test_tp2_draws_and_gradients_equal_tp1():
     g = torch.Generator().manual_seed(5)
     teacher = torch.randn(12, V, generator=g) * 3
