@@ -186,3 +186,16 @@ def test_loss_sampled_validates_with_a_proposal_temperature():
     cfg = cfg_of("loss=sampled", "loss.proposal_temperature=1.5", "loss.samples=12")
     validate(cfg)
     assert (cfg.loss.samples, cfg.loss.proposal_temperature, cfg.loss.top_k) == (12, 1.5, None)
+
+
+def test_importance_weights_by_hand():
+    from kdexp.losses.sampled import importance_weights
+
+    counts = torch.tensor([[3, 1, 0]])
+    log_ratio = torch.tensor([[1.0, 2.0 ** 0.5, 7.0]]).log()  # p / q = 1, sqrt(2), (unused)
+    torch.testing.assert_close(importance_weights(counts), torch.tensor([[0.75, 0.25, 0.0]], dtype=torch.float64))
+    total = 3 + 2 ** 0.5
+    torch.testing.assert_close(importance_weights(counts, log_ratio),
+                               torch.tensor([[3 / total, 2 ** 0.5 / total, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(importance_weights(counts, log_ratio, normalize=False),
+                               torch.tensor([[0.75, 2 ** 0.5 / 4, 0.0]], dtype=torch.float64))

@@ -33,6 +33,7 @@ _EXPORTS = {
     "IntermediateLoss": "intermediate", "cosine_hidden_loss": "intermediate", "mse_hidden_loss": "intermediate",
     "scale_to_logits_loss": "intermediate", "IntermediatePair": "options", "check_intermediate": "options",
     "SampledKDOptions": "options", "sample_teacher": "sampled", "sampled_kd_loss": "sampled", "TokenSamples": "sampled",
+    "importance_weights": "sampled",
 }
 __all__ = list(_EXPORTS)
 

@@ -130,17 +130,28 @@ def sample_teacher(teacher_logits: torch.Tensor, *, samples: int, proposal_tempe
     log_p = centred / temperature - log_zp_all[:, None]
     log_q = centred / proposal_temperature - log_zq_all[:, None]
     used = counts > 0
-    # w_i = c_i p_i / q_i, normalised; at proposal_temperature == temperature log_p - log_q is exactly 0 (same ops).
-    log_w = torch.where(used, log_p - log_q, torch.full_like(log_p, -float("inf")))
-    if normalize:
-        w = counts.double() * (log_w - log_w.amax(1, keepdim=True)).exp()
-        w = w / w.sum(1, keepdim=True)
-    else:
-        w = counts.double() / samples * log_w.exp()
+    # p == q exactly when the temperatures agree (the two log-normalisers differ in the last bits: ignore them).
+    w = importance_weights(counts, None if proposal_temperature == temperature else log_p - log_q, normalize=normalize)
     dtype = torch.float64 if teacher_logits.dtype == torch.float64 else torch.float32
     shape = (*lead, samples)
     return TokenSamples(ids.reshape(shape), counts.reshape(shape), w.to(dtype).reshape(shape),
                         torch.where(used, log_p, torch.zeros_like(log_p)).to(dtype).reshape(shape))
+
+
+def importance_weights(counts: torch.Tensor, log_ratio: torch.Tensor | None = None, *,
+                       normalize: bool = True) -> torch.Tensor:
+    """Sparse-target weights from draw counts [..., S] (0 = unused slot) and log(p / q) per slot (None: p == q):
+    c p / q normalised to sum 1, or (c / samples) p / q with normalize=False. Float64. For a cache that stores ids,
+    counts and log-probs instead of the weights themselves."""
+    c = counts.double()
+    samples = c.sum(-1, keepdim=True)
+    if log_ratio is None:
+        return c / samples
+    log_w = torch.where(counts > 0, log_ratio.double(), torch.full_like(c, -float("inf")))
+    if not normalize:
+        return c / samples * log_w.exp()
+    w = c * (log_w - log_w.amax(-1, keepdim=True)).exp()  # shifted by the max: no overflow of p / q
+    return w / w.sum(-1, keepdim=True)
 
 
 class _SparseCE(torch.autograd.Function):
