@@ -24,7 +24,8 @@ Determinism and TP: the uniforms of a step come from a CPU torch.Generator seede
 row, and inverted through the cumulative proposal mass in float64: rank r owns the draws that fall in its slice of the
 cumulative mass (the rank totals are all-gathered) and resolves them with a local cumsum + searchsorted; one
 all-reduce shares the ids. TP=1 and TP=2 therefore make the same draws, up to float64 rounding of the cumulative sums
-(a draw within ~1e-16 of a bucket edge): no difference in practice.
+(a draw within ~1e-16 of a bucket edge): no difference in practice. Cost: one float32 exp and one float64 cumsum over
+the vocabulary per token, a searchsorted per draw.
 """
 
 from __future__ import annotations
@@ -97,11 +98,16 @@ def sample_teacher(teacher_logits: torch.Tensor, *, samples: int, proposal_tempe
     log_zq_all = torch.empty(n, dtype=torch.float64, device=device)
     log_zp_all = torch.empty(n, dtype=torch.float64, device=device)
     rows = _rows(vl * 8 * 3, n)
+    # The proposal's terms exp((t - m) / T_q) in float32 (float64 for float64 logits): elementwise, so identical on
+    # every TP size; their running sum in float64, so that tail probabilities far below float32's epsilon stay exact.
+    wdtype = torch.float64 if teacher_logits.dtype == torch.float64 else torch.float32
+    same_t = proposal_temperature == temperature
     for lo in range(0, n, rows):
-        t = t_all[lo:lo + rows].double()
-        m = shard.row_max(t, torch.float64)[:, None]  # global max: the same on every rank
-        w = ((t - m) / proposal_temperature).exp_()
-        cum = w.cumsum_(1)
+        t = t_all[lo:lo + rows].to(wdtype)
+        m = shard.row_max(t, wdtype)[:, None]  # global max: the same on every rank
+        w = t.sub(m).div_(proposal_temperature).exp_()
+        cum = torch.cumsum(w, 1, dtype=torch.float64)
+        del w
         totals = cum[:, -1].contiguous()
         if shard.world > 1:
             parts = [torch.empty_like(totals) for _ in range(shard.world)]
@@ -116,13 +122,15 @@ def sample_teacher(teacher_logits: torch.Tensor, *, samples: int, proposal_tempe
         local = torch.searchsorted(cum, target - start, right=True).clamp_(max=vl - 1)
         mine = owner == shard.rank
         gid = torch.where(mine, local + shard.offset, torch.zeros_like(local))
-        logit = torch.where(mine, t.gather(1, local), torch.zeros_like(target))
+        logit = torch.where(mine, t.gather(1, local).double(), torch.zeros_like(target))
         packed = torch.stack([gid.double(), logit], -1)  # one all-reduce: float64 holds the ids exactly
         shard.all_reduce_(packed)
         ids_all[lo:lo + rows] = packed[..., 0].long()
-        logit_all[lo:lo + rows] = packed[..., 1] - m
+        logit_all[lo:lo + rows] = packed[..., 1] - m.double()
         log_zq_all[lo:lo + rows] = z.squeeze(1).log()
-        log_zp_all[lo:lo + rows] = shard.logsumexp_(torch.logsumexp((t - m) / temperature, dim=1))
+        # p's normaliser: q's when the temperatures agree (no second pass over the vocabulary)
+        log_zp_all[lo:lo + rows] = log_zq_all[lo:lo + rows] if same_t else shard.logsumexp_(
+            torch.logsumexp((t - m).double() / temperature, dim=1))
     ids, counts = _compact(ids_all)
     # The centred teacher logit of each unique id (its first draw's), then log p and log q from it.
     first_pos = torch.cat([torch.zeros_like(counts[:, :1]), counts.cumsum(1)[:, :-1]], 1).clamp_(max=samples - 1)
