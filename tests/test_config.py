@@ -28,7 +28,7 @@ def test_default_composes_and_validates():
 
 @pytest.mark.parametrize("group", ["loss=dense", "loss=topk", "loss=top_p", "loss=renorm_topk", "balancer=alpha",
                                    "balancer=dynamic", "logger=none", "arm=before", "arm=after", "arm=top_p",
-                                   "experiment=smoke"])
+                                   "arm=sampled", "loss=sampled", "experiment=smoke"])
 def test_every_group_option_validates(group):
     validate(cfg_of(group))
 
@@ -314,6 +314,7 @@ OPTION_CHANGES = {
     ("loss", "dense"): {"name": "dense", "top_k": None, "ghost_token": False},
     ("loss", "top_p"): {"name": "top_p", "top_k": None, "top_p": 0.95, "min_k": 4},
     ("loss", "renorm_topk"): {"name": "renorm_topk", "ghost_token": False, "normalization": "renormalize"},
+    ("loss", "sampled"): {"name": "sampled", "top_k": None, "ghost_token": False, "samples": 64},
     ("balancer", "alpha"): {},
     ("balancer", "dynamic"): {"name": "dynamic", "alpha": None, "kd_loss_scale": 1.0, "skip_lm_loss": True},
     ("teacher", "online"): {},

@@ -105,6 +105,12 @@ def _plan_table(proc, cwd):
     assert "fits trainer.gpu_memory_gb=79.6" in proc.stdout
 
 
+def _intermediate_run(proc, cwd):
+    _finished_run(loss__name="topk")(proc, cwd)
+    metrics = [json.loads(line) for line in (_one_run_dir(cwd) / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 <= m["train/intermediate_loss"] <= 2 for m in metrics if m["kind"] == "train")
+
+
 def _site(proc, cwd):
     assert "site dir: none" in proc.stdout and "(absent)" in proc.stdout
     template = proc.stdout.rsplit("template: ", 1)[1].strip()
@@ -242,6 +248,10 @@ COMMANDS: dict[str, How] = {
         "composed", "needs the Qwen3 checkpoints, an indexed corpus and SLURM GPU nodes"),
     "python -m kdexp.report <the sweep dir it prints>": How(
         "covered", "tests/test_experiment.py::test_before_after_arms_run_and_report"),
+    "python -m kdexp.run loss=sampled loss.samples=32": How(
+        "appended", "a full run takes minutes", SMOKE, check=_finished_run(loss__name="sampled", loss__samples=32)),
+    'python -m kdexp.run "loss.intermediate=[{student: 1, teacher: 3, kind: cosine}]"': How(
+        "appended", "a full run takes minutes", SMOKE, check=_intermediate_run),
     "python -m kdexp.bench.losses": How(
         "appended", "vocab 151,936 x 512 tokens takes minutes on a CPU",
         ("--tokens", "32", "--vocab", "2048", "--repeats", "1", "--configs", "dense,topk,topk_topp,topp,topk_renorm"),

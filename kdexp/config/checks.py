@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kdexp.config.rules import unresolved
+from kdexp.config.sources import check_data, check_model, check_tokenizer, layer_counts, shapes
 from kdexp.distributed import launch
+from kdexp.losses.options import BalancerOptions, KDLossOptions, SampledKDOptions, check_intermediate
 from kdexp.rules import choice, fail, integer, number, text
-from kdexp.config.sources import check_data, check_model, check_tokenizer, shapes
-from kdexp.losses.options import BalancerOptions, KDLossOptions
 
 
 PRECISIONS = ("fp32", "bf16")
@@ -117,6 +117,9 @@ def _check_teacher(cfg: Any, vocab: Optional[int]) -> None:
     text("teacher.path", tc.path, none_ok=True)
     if tc.name != "cached":
         return
+    if loss.samples is not None:
+        fail("loss.samples", loss.samples, "needs teacher=online: the cache stores the teacher's top-K records, not "
+                                           "sampled ids (no sampled record type yet); use teacher=online")
     if loss.top_k is None:
         what = "dense KD" if loss.top_p is None else "a nucleus (loss.top_p) not bounded by loss.top_k"
         fail("loss.top_k", None, f"must be set with teacher=cached: the cache holds only the teacher's top-"
@@ -177,6 +180,17 @@ def _check_paths(cfg: Any) -> None:
     text("experiment_arm", cfg.experiment_arm, none_ok=True)
 
 
+def _check_intermediate(cfg: Any) -> None:
+    pairs = cfg.loss.intermediate
+    if not pairs:
+        return
+    if cfg.teacher.name == "cached":
+        fail("loss.intermediate", list(pairs), "needs the online teacher's hidden states (a teacher cache stores "
+             "logits only): use teacher=online, or drop loss.intermediate")
+    layers = layer_counts(cfg)
+    check_intermediate(pairs, layers["student"], layers["teacher"], prefix="loss.")
+
+
 def validate(cfg: Any) -> None:
     """Check every value before W&B, data, teacher, model or any process group is built; a ``ValueError`` whose one
     line names the key, the value and what it must be."""
@@ -189,7 +203,9 @@ def validate(cfg: Any) -> None:
         raise ValueError(f"model.teacher vocabulary ({teacher_vocab}) and model.student vocabulary ({student_vocab}) "
                          "differ: logit distillation needs one shared vocabulary")
     check_tokenizer(cfg)
-    KDLossOptions.from_config(cfg.loss).check(teacher_vocab, prefix="loss.")  # the loss's own rules
+    kd = KDLossOptions.from_config(cfg.loss).check(teacher_vocab, prefix="loss.")  # the loss's own rules
+    SampledKDOptions.from_config(cfg.loss).check(kd, prefix="loss.")
+    _check_intermediate(cfg)
     BalancerOptions.from_config(cfg.balancer).check(prefix="balancer.")
     _check_trainer(cfg.trainer, min(s[3] for s in sizes.values()))
     _check_parallel(cfg, sizes, teacher_vocab)

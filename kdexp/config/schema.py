@@ -13,7 +13,7 @@ from typing import List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from kdexp.losses.options import BalancerOptions, KDLossOptions
+from kdexp.losses.options import BalancerOptions, IntermediatePair, KDLossOptions, SampledKDOptions
 
 
 @dataclass
@@ -29,12 +29,15 @@ class ModelConfig:
 
 
 @dataclass
-class LossConfig(KDLossOptions):
-    """The loss group: the keywords of kdexp.losses.logits_kd_loss (their value rules live there), plus the option's
-    name. The run's default is Top-K 1024 with a ghost token (logits_kd_loss's own default is dense)."""
+class LossConfig(KDLossOptions, SampledKDOptions):
+    """The loss group: the keywords of kdexp.losses.logits_kd_loss (their value rules live there), the sampled-KD keys
+    (samples, proposal_temperature: set by loss=sampled), the hidden-state pairs, plus the option's name. The run's
+    default is Top-K 1024 with a ghost token (logits_kd_loss's own default is dense)."""
 
     name: str = "topk"
     top_k: Optional[int] = 1024
+    # Hidden-state losses, e.g. [{student: 3, teacher: 11, kind: cosine}] (kdexp.losses.options.IntermediatePair).
+    intermediate: List[IntermediatePair] = field(default_factory=list)
 
 
 @dataclass

@@ -65,6 +65,19 @@ def shapes(cfg: Any) -> dict:
     return out
 
 
+def layer_counts(cfg: Any) -> dict:
+    """Per role: the number of decoder layers (config.json's num_hidden_layers for a checkpoint; None if it lacks it)."""
+    out = {}
+    for role in ("teacher", "student"):
+        name, path = getattr(cfg.model, role), getattr(cfg.model, f"{role}_path")
+        n = _model_shape(name, f"model.{role}").num_layers
+        if path is not None:
+            n = _hf_config(f"model.{role}_path", path).get("num_hidden_layers")
+            n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+        out[role] = n
+    return out
+
+
 def check_model(cfg: Any) -> None:
     m = cfg.model
     _model_shape(m.teacher, "model.teacher")

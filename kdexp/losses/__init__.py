@@ -14,7 +14,11 @@ call the same functions:
   ModelOpt's legacy LogitsAndIntermediatesLossBalancer;  `BalancerOptions` (keys, rules, `from_config(node).build()`)
   and `make_balancer(name, **kwargs)`: the one balancer factory.
 - Hidden-state losses: `cosine_hidden_loss`, `mse_hidden_loss`, `IntermediateLoss` (with a learnable projection when
-  hidden sizes differ) and `scale_to_logits_loss` (intermediate rescaled to |logits loss|, no host sync).
+  hidden sizes differ) and `scale_to_logits_loss` (intermediate rescaled to |logits loss|, no host sync);
+  `IntermediatePair` (one loss.intermediate entry) and `check_intermediate` (its rules).
+- Sampled KD (RS-KD): `sample_teacher(teacher_logits, samples=..., proposal_temperature=..., seed=...)` ->
+  `TokenSamples(ids, counts, weights, teacher_logprobs)`, `sampled_kd_loss(student_logits, ids, weights, ...)`,
+  `SampledKDOptions` (loss.samples, loss.proposal_temperature and their rules).
 """
 
 from __future__ import annotations
@@ -30,7 +34,9 @@ _EXPORTS = {
     "BALANCERS": "options",
     "AlphaBalancer": "balancers", "DynamicBalancer": "balancers", "make_balancer": "balancers",
     "IntermediateLoss": "intermediate", "cosine_hidden_loss": "intermediate", "mse_hidden_loss": "intermediate",
-    "scale_to_logits_loss": "intermediate",
+    "scale_to_logits_loss": "intermediate", "IntermediatePair": "options", "check_intermediate": "options",
+    "SampledKDOptions": "options", "sample_teacher": "sampled", "sampled_kd_loss": "sampled", "TokenSamples": "sampled",
+    "importance_weights": "sampled",
 }
 __all__ = list(_EXPORTS)
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-INTERMEDIATE_KINDS = ("cosine", "mse")
+from kdexp.losses.options import INTERMEDIATE_KINDS
 
 
 def _check_pair(student: torch.Tensor, teacher: torch.Tensor):

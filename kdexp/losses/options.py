@@ -27,6 +27,12 @@ from kdexp.rules import fail, is_int as _is_int, is_real as _is_real
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")  # kdexp.losses.divergence implements them
 NORMALIZATIONS = ("full", "renormalize")
+INTERMEDIATE_KINDS = ("cosine", "mse")  # kdexp.losses.intermediate implements them
+
+
+def _yaml(x) -> str:
+    """A value as the user types it on the command line (null, true/false, 'text', numbers)."""
+    return "null" if x is None else str(x).lower() if isinstance(x, bool) else repr(x)
 
 
 @dataclass
@@ -98,6 +104,82 @@ class KDLossOptions:
             if value is not None and value > vocab_size:
                 self._fail(key, f"must be in [1, the vocabulary size {vocab_size}]", prefix)
         return self
+
+
+@dataclass
+class SampledKDOptions:
+    """Sampled KD (RS-KD, kdexp.losses.sampled): set `samples` to replace the logit loss by the importance-sampled
+    estimator of the full forward-KL gradient. It uses loss.temperature (the target p) and
+    loss.scale_by_temperature_squared of KDLossOptions; the Top-K/Top-P/ghost/normalization/divergence keys describe a
+    different loss and must keep their dense forward-KL values."""
+
+    samples: Optional[int] = None  # draws per token from the teacher's proposal (with replacement); None = not sampled
+    proposal_temperature: float = 1.0  # the proposal q = softmax(teacher / this); unbiased when equal to temperature
+    # true: weights c p / q normalised to sum 1 (the paper's); false: (c / samples) p / q, unbiased for any proposal
+    normalize_weights: bool = True
+
+    @classmethod
+    def from_config(cls, node: Any) -> "SampledKDOptions":
+        get = node.__getitem__ if isinstance(node, dict) else lambda k: getattr(node, k)
+        return SampledKDOptions(**{f.name: get(f.name) for f in fields(SampledKDOptions)})
+
+    @property
+    def enabled(self) -> bool:
+        return self.samples is not None
+
+    def check(self, kd: KDLossOptions, prefix: str = "") -> "SampledKDOptions":
+        """ValueError naming the key, the value and the allowed range; `kd` is the same node's logit-loss options."""
+        t = self.proposal_temperature
+        if not _is_real(t) or not math.isfinite(t) or not t > 0:
+            raise ValueError(f"{prefix}proposal_temperature={t!r} is invalid: must be a finite number > 0")
+        if not isinstance(self.normalize_weights, bool):
+            raise ValueError(f"{prefix}normalize_weights={self.normalize_weights!r} is invalid: must be true or false")
+        if self.samples is None:
+            for key, default in (("proposal_temperature", 1.0), ("normalize_weights", True)):
+                if getattr(self, key) != default:
+                    raise ValueError(f"{prefix}{key}={getattr(self, key)!r} is invalid: it is used by sampled KD only; "
+                                     f"set {prefix}samples (e.g. loss=sampled) or leave it at {_yaml(default)}")
+            return self
+        if not _is_int(self.samples) or self.samples < 1:
+            raise ValueError(f"{prefix}samples={self.samples!r} is invalid: must be an integer >= 1 (draws per "
+                             "token), or null for the logit losses")
+        dense = {"top_k": None, "top_p": None, "ghost_token": False, "normalization": "full",
+                 "divergence": "forward_kl"}
+        for key, value in dense.items():
+            if getattr(kd, key) != value:
+                raise ValueError(f"{prefix}{key}={getattr(kd, key)!r} is invalid with {prefix}samples={self.samples}: "
+                                 f"sampled KD estimates the full-vocabulary forward KL, set {prefix}{key}={_yaml(value)} "
+                                 f"(loss=sampled does), or {prefix}samples=null for the logit loss")
+        return self
+
+
+@dataclass
+class IntermediatePair:
+    """One hidden-state loss between a student and a teacher decoder layer (0-based indices into decoder.layers, the
+    layer's output before the final norm, as ModelOpt's `decoder.layers.N`). No defaults for the indices: OmegaConf
+    reports a pair without them as a missing value."""
+
+    student: int
+    teacher: int
+    kind: str = "cosine"  # one of INTERMEDIATE_KINDS
+
+
+def check_intermediate(pairs: Any, student_layers: Optional[int], teacher_layers: Optional[int],
+                       prefix: str = "") -> None:
+    """ValueError naming the entry, key, value and range for each pair of `pairs` (a list of IntermediatePair-like
+    nodes or mappings); the layer counts bound the indices when they are known."""
+    if pairs is None:
+        return
+    for i, pair in enumerate(pairs):
+        get = pair.__getitem__ if isinstance(pair, dict) else lambda k, p=pair: getattr(p, k)
+        where = f"{prefix}intermediate[{i}]"
+        for role, layers in (("student", student_layers), ("teacher", teacher_layers)):
+            v = get(role)
+            bound = f"[0, {layers - 1}] (the {role} has {layers} layers)" if layers else "an integer >= 0"
+            if not _is_int(v) or v < 0 or (layers is not None and v >= layers):
+                raise ValueError(f"{where}.{role}={v!r} is invalid: must be a layer index in {bound}")
+        if get("kind") not in INTERMEDIATE_KINDS:
+            raise ValueError(f"{where}.kind={get('kind')!r} is invalid: must be one of {', '.join(INTERMEDIATE_KINDS)}")
 
 
 # The keys each balancer reads; the other keys of BalancerOptions must be unset (None) for it.

@@ -12,12 +12,13 @@ Trainer use::
 
 import torch
 
-from kdexp.models.build import build, cast, check_tp, forward_logits, transformer_config, vocab_parallel_logits
+from kdexp.models.build import (build, capture_hidden, cast, check_tp, forward_logits, transformer_config,
+                                vocab_parallel_logits)
 from kdexp.models.hf import load_hf, read_config, save_hf
 from kdexp.models.spec import QWEN3_SIZES, Qwen3Spec, get_spec, spec_from_hf, spec_to_hf
 
 # model.params_dtype names -> torch dtypes (config.validate allows exactly these names)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-__all__ = ["DTYPES", "Qwen3Spec", "QWEN3_SIZES", "get_spec", "spec_from_hf", "spec_to_hf", "build", "cast", "check_tp",
-           "transformer_config", "forward_logits", "vocab_parallel_logits", "load_hf", "save_hf", "read_config"]
+__all__ = ["DTYPES", "Qwen3Spec", "QWEN3_SIZES", "get_spec", "spec_from_hf", "spec_to_hf", "build", "capture_hidden",
+           "cast", "check_tp", "transformer_config", "forward_logits", "vocab_parallel_logits", "load_hf", "save_hf", "read_config"]

@@ -8,6 +8,7 @@ Qwen3ForCausalLM in tests/test_models.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -202,3 +203,38 @@ def forward_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     if ps.get_tensor_model_parallel_world_size() == 1:
         return logits
     return gather_from_tensor_model_parallel_region(logits.contiguous())
+
+
+def _decoder_layers(model):
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module  # DDP / Float16Module wrappers
+    return model.decoder.layers
+
+
+def _keep_hidden(store: dict, index: int, module, args, output) -> None:
+    # A megatron TransformerLayer returns (hidden_states, context); hidden_states is [s, b, h].
+    store[index] = output[0] if isinstance(output, tuple) else output
+
+
+@contextlib.contextmanager
+def capture_hidden(model, layers):
+    """Within the block, forwards of `model` record the output of each decoder layer in `layers` (0-based; the
+    layer's output before the final norm, megatron's [s, b, h] layout) in the dict this yields: {index: tensor}.
+
+    The hidden states are replicated over the tensor-parallel ranks (each layer ends in a RowParallelLinear
+    all-reduce) as long as sequence parallelism is off, which kdexp's models never turn on (checked here).
+    """
+    store: dict = {}
+    layers = sorted(set(layers))
+    if not layers:
+        yield store
+        return
+    decoder = _decoder_layers(model)
+    if getattr(decoder[0].config, "sequence_parallel", False):
+        raise ValueError("hidden-state losses need full (replicated) hidden states: sequence parallelism shards them")
+    handles = [decoder[i].register_forward_hook(functools.partial(_keep_hidden, store, i)) for i in layers]
+    try:
+        yield store
+    finally:
+        for h in handles:
+            h.remove()

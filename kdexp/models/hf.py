@@ -194,6 +194,11 @@ def _hf_tensors(name: str, full: torch.Tensor, spec: Qwen3Spec, tp: int) -> dict
     raise KeyError(f"no Hugging Face name for megatron parameter {name!r}")
 
 
+# Submodules the trainer attaches to the student (kdexp.train.objectives.attach_intermediate) that are trained and
+# checkpointed with it but are no part of the exported Hugging Face model.
+TRAINING_ONLY_PREFIX = "kdexp_"
+
+
 def _unwrap(model):
     while hasattr(model, "module") and not hasattr(model, "decoder"):
         model = model.module  # DDP / Float16Module wrappers
@@ -216,6 +221,8 @@ def save_hf(model, path, spec: Optional[Qwen3Spec] = None, *, dtype: Optional[to
     tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
     tensors = {}
     for name, param in model.named_parameters():
+        if name.startswith(TRAINING_ONLY_PREFIX):  # e.g. the hidden-state projections: not part of the HF model
+            continue
         full = _gather_tp(param, group, tp)
         for k, v in _hf_tensors(name, full, spec, tp).items():
             tensors[k] = v.to(dtype or v.dtype).contiguous().clone()

@@ -110,6 +110,7 @@ def setup(cfg) -> Setup:
         cache = ensure(cfg, data, teacher)
     distributed.reseed(t.seed)  # the student's init must not depend on whether the teacher was just trained
     student = build_student(cfg, data.vocab_size)
+    objectives.attach_intermediate(student, cfg.loss, teacher.kdexp_spec.hidden_size)  # before its optimizer
     student.train()
     if megatron_optim.uses_megatron(t.optimizer):  # DDP + megatron's (distributed) optimizer, on CUDA
         opt = megatron_optim.MegatronOptimizer(student, t)
@@ -184,7 +185,7 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
             lr = optim.lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup=t.warmup_steps, total=t.max_steps)
             optim.set_lr(opt, lr)
             opt.zero_grad(set_to_none=True)
-            parts = train_step(student, s.kd_teacher, batch, s.balancer, cfg, needs_lm,
+            parts = train_step(student, s.kd_teacher, batch, s.balancer, cfg, needs_lm, step=step,
                                micro_context=getattr(opt, "micro_context", None))
             parts["train/grad_norm"] = reduce_and_clip(student, opt, t.grad_clip)
             finite = guard.check_step(done, parts["train/loss"], parts["train/grad_norm"],

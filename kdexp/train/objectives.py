@@ -1,7 +1,10 @@
 """Per-batch objectives on vocab-parallel logits: LM cross-entropy, the KD loss, the balancer, and eval metrics.
 
 The loss and the balancer are built from their config nodes here, each through its one factory in kdexp.losses
-(`KDLossOptions.from_config(...).kwargs()`, `BalancerOptions.from_config(...).build()`).
+(`KDLossOptions.from_config(...).kwargs()`, `BalancerOptions.from_config(...).build()`). `kd_loss` is the one place
+that picks the KD estimator: the logit loss, or sampled KD when `loss.samples` is set. Hidden-state losses
+(`loss.intermediate`) are modules attached to the student (`attach_intermediate`), so their projections are trained,
+clipped, averaged over DP and checkpointed with it (and left out of the Hugging Face export).
 
 Every function takes this rank's vocabulary shard ([b, s, V/tp]) and returns values that are equal on every TP rank.
 Token normalisation follows Megatron: with ``denom`` (see ``token_share``) a micro-batch returns its masked token sum
@@ -17,6 +20,11 @@ from megatron.core import tensor_parallel
 from kdexp import distributed
 from kdexp.losses import BalancerOptions, KDLossOptions, logits_kd_loss
 from kdexp.losses import cached_kd_loss as cached_kd_loss_fn
+from kdexp.losses.intermediate import IntermediateLoss, mean_of
+from kdexp.losses.options import SampledKDOptions
+from kdexp.losses.sampled import sample_teacher, sampled_kd_loss, step_seed, unique_mass
+
+INTERMEDIATE_ATTR = "kdexp_intermediate"  # kdexp.models.hf.TRAINING_ONLY_PREFIX keeps it out of the HF export
 
 
 def batch_to(batch: dict, device) -> dict:
@@ -60,9 +68,16 @@ def build_balancer(balancer_cfg):
     return BalancerOptions.from_config(balancer_cfg).build()
 
 
-def kd_loss(student: torch.Tensor, teacher: torch.Tensor, loss_mask: torch.Tensor, loss_cfg, denom=None):
+def kd_loss(student: torch.Tensor, teacher: torch.Tensor, loss_mask: torch.Tensor, loss_cfg, denom=None, *,
+            seed: int = 0):
     """Masked-mean KD loss and its masked-mean stats, logged as train/kept_mass (the teacher's mass in the kept set),
-    train/ghost_mass (the student's mass outside it: its ghost bucket) and train/nucleus_size."""
+    train/ghost_mass (the student's mass outside it: its ghost bucket) and train/nucleus_size.
+
+    With `loss.samples` set: sampled KD, drawing from the generator seeded by `seed` (`sampling_seed`); the loss is
+    the forward-KL estimate, kept_mass the teacher's mass on the distinct drawn ids, nucleus_size their number."""
+    sampled = SampledKDOptions.from_config(loss_cfg)
+    if sampled.enabled:
+        return _sampled(student, teacher, loss_mask, KDLossOptions.from_config(loss_cfg), sampled, seed, denom)
     per_token, stats = logits_kd_loss(student, teacher, tp_group=distributed.tp_group(), return_stats=True,
                                       **KDLossOptions.from_config(loss_cfg).kwargs())
     return _masked_parts(per_token, stats, loss_mask, denom)
@@ -75,6 +90,54 @@ def _masked_parts(per_token, stats, loss_mask, denom=None):
         "ghost_mass": masked_mean(stats.student_residual_mass, loss_mask, denom),
         "nucleus_size": masked_mean(stats.nucleus_size.float(), loss_mask, denom),
     }
+
+
+def sampling_seed(cfg, step: int, micro: int = 0) -> int:
+    """The sampled-KD seed of micro-batch `micro` of a (0-based) training step on this data-parallel rank: from
+    trainer.seed, the step and the micro-batch only, so a resumed run draws exactly what the uninterrupted one drew
+    and no two micro-batches of a step (or DP ranks) reuse a stream."""
+    st = distributed.state()
+    return step_seed(cfg.trainer.seed, step, st.dp_rank + st.dp_size * micro)
+
+
+def _sampled(student, teacher, loss_mask, kd: KDLossOptions, sampled: SampledKDOptions, seed: int, denom=None):
+    tp = distributed.tp_group()
+    draw = sample_teacher(teacher, samples=sampled.samples, proposal_temperature=sampled.proposal_temperature,
+                          temperature=kd.temperature, seed=seed, normalize=sampled.normalize_weights, tp_group=tp)
+    per_token = sampled_kd_loss(student, draw.ids, draw.weights, draw.teacher_logprobs, temperature=kd.temperature,
+                                scale_by_temperature_squared=kd.scale_by_temperature_squared, tp_group=tp)
+    mass, distinct = unique_mass(draw)
+    return masked_mean(per_token, loss_mask, denom), {"kept_mass": masked_mean(mass, loss_mask, denom),
+                                                      "nucleus_size": masked_mean(distinct.float(), loss_mask, denom)}
+
+
+def intermediate_layers(loss_cfg) -> tuple[list[int], list[int]]:
+    """The student and the teacher decoder layers whose outputs the hidden-state losses read."""
+    pairs = loss_cfg.intermediate or []
+    return [p.student for p in pairs], [p.teacher for p in pairs]
+
+
+def attach_intermediate(student: torch.nn.Module, loss_cfg, teacher_hidden: int) -> None:
+    """One IntermediateLoss per loss.intermediate pair, attached to the student (before its optimizer is made),
+    with a projection student_hidden -> teacher_hidden when the sizes differ (initialised from torch's RNG, the
+    same on every TP rank after distributed.reseed; the hidden states are replicated over TP, so are its grads)."""
+    pairs = loss_cfg.intermediate or []
+    if not pairs:
+        return
+    hidden = student.kdexp_spec.hidden_size
+    device = next(student.parameters()).device
+    modules = torch.nn.ModuleList(IntermediateLoss(p.kind, hidden, teacher_hidden) for p in pairs).to(device)
+    setattr(student, INTERMEDIATE_ATTR, modules)
+
+
+def intermediate_loss(student: torch.nn.Module, loss_cfg, student_hidden: dict, teacher_hidden: dict,
+                      loss_mask: torch.Tensor, denom=None) -> torch.Tensor:
+    """Mean over the pairs of each pair's masked-mean per-token loss (hidden states [s, b, h], the mask [b, s]). The
+    balancer adds it to the KD term rescaled to |logit KD loss| (kdexp.losses.balancers: ModelOpt's convention)."""
+    modules = getattr(student, INTERMEDIATE_ATTR)
+    losses = [masked_mean(m(student_hidden[p.student].transpose(0, 1), teacher_hidden[p.teacher].transpose(0, 1)),
+                          loss_mask, denom) for m, p in zip(modules, loss_cfg.intermediate)]
+    return mean_of(losses)
 
 
 def cached_kd_loss(student: torch.Tensor, cache, sample_index, loss_mask: torch.Tensor, loss_cfg, denom=None):

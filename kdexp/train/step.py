@@ -22,32 +22,38 @@ from kdexp.train.errors import Diverged
 log = logging.getLogger("kdexp")
 
 
-def _micro_step(student, teacher, batch, balancer, cfg, needs_lm: bool, denom) -> dict[str, torch.Tensor]:
+def _micro_step(student, teacher, batch, balancer, cfg, needs_lm: bool, denom, seed: int) -> dict[str, torch.Tensor]:
     """One micro-batch: forward both models (or read the teacher's records of the batch's samples when `teacher`
-    is an offline teacher cache, kdexp.teacher.TeacherCache), the balanced loss, backward."""
+    is an offline teacher cache, kdexp.teacher.TeacherCache), the balanced loss, backward. `seed` seeds sampled
+    KD's draws."""
     cached = getattr(teacher, "is_teacher_cache", False)
+    s_layers, t_layers = objectives.intermediate_layers(cfg.loss)  # none with a cache (config.validate refuses)
     if not cached:
-        with torch.no_grad():
+        with torch.no_grad(), models.capture_hidden(teacher, t_layers) as t_hidden:
             t_logits = models.vocab_parallel_logits(teacher, batch["tokens"])
-    s_logits = models.vocab_parallel_logits(student, batch["tokens"])
+    with models.capture_hidden(student, s_layers) as s_hidden:
+        s_logits = models.vocab_parallel_logits(student, batch["tokens"])
     mask = batch["loss_mask"]
     if cached:
         kd, stats = objectives.cached_kd_loss(s_logits, teacher, batch["sample_index"], mask, cfg.loss, denom)
     else:
-        kd, stats = objectives.kd_loss(s_logits, t_logits, mask, cfg.loss, denom)
+        kd, stats = objectives.kd_loss(s_logits, t_logits, mask, cfg.loss, denom, seed=seed)
+    inter = objectives.intermediate_loss(student, cfg.loss, s_hidden, t_hidden, mask, denom) if s_layers else None
+    if inter is not None:
+        stats["intermediate_loss"] = inter
     if needs_lm:
         lm = objectives.lm_loss(s_logits, batch["labels"], mask, denom)
     else:  # alpha == 1: the LM loss stays out of the graph; logged from a detached copy
         with torch.no_grad():
             lm_logged = objectives.lm_loss(s_logits.detach(), batch["labels"], mask, denom)
         lm = None
-    total, _ = balancer(lm, kd)
+    total, _ = balancer(lm, kd, inter)  # the intermediate loss joins the KD term rescaled to |kd|
     total.backward()
     return {"train/loss": total.detach(), "train/lm_loss": (lm if lm is not None else lm_logged).detach(),
-            "train/kd_loss": kd.detach(), **{f"train/{k}": v for k, v in stats.items()}}
+            "train/kd_loss": kd.detach(), **{f"train/{k}": v.detach() for k, v in stats.items()}}
 
 
-def train_step(student, teacher, micro_batches, balancer, cfg, needs_lm: bool,
+def train_step(student, teacher, micro_batches, balancer, cfg, needs_lm: bool, step: int = 0,
                micro_context=None) -> dict[str, torch.Tensor]:
     """Forward both models, the balanced loss and backward for each micro-batch of one global batch (gradients
     accumulate in .grad); the detached parts of the global batch for logging (no host sync).
@@ -57,7 +63,8 @@ def train_step(student, teacher, micro_batches, balancer, cfg, needs_lm: bool,
     global-batch loss: micro 2 x 4 accumulation steps is micro 8 x 1. (The dynamic balancer's LM/KD ratio is taken
     per micro-batch, as ModelOpt's is under megatron.) With DP > 1 the logged parts are the average over the
     data-parallel ranks (one small all_reduce), i.e. the values of the whole global batch. `micro_context(i, n)`:
-    a context for micro-batch i of n (megatron DDP's no_sync for all but the last)."""
+    a context for micro-batch i of n (megatron DDP's no_sync for all but the last). `step` (0-based) seeds sampled
+    KD's draws (objectives.sampling_seed, per micro-batch)."""
     if isinstance(micro_batches, dict):
         micro_batches = [micro_batches]
     st = distributed.state()
@@ -65,7 +72,8 @@ def train_step(student, teacher, micro_batches, balancer, cfg, needs_lm: bool,
     parts: dict[str, torch.Tensor] = {}
     for i, batch in enumerate(micro_batches):
         with micro_context(i, len(micro_batches)) if micro_context else contextlib.nullcontext():
-            micro = _micro_step(student, teacher, batch, balancer, cfg, needs_lm, denom)
+            micro = _micro_step(student, teacher, batch, balancer, cfg, needs_lm, denom,
+                                objectives.sampling_seed(cfg, step, i))
         for key, value in micro.items():
             parts[key] = parts[key] + value if key in parts else value
     if st.dp_size > 1:

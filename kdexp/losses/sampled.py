@@ -1,0 +1,240 @@
+"""Sampled KD (RS-KD; Anshumann et al. 2025, "Sparse Logit Sampling", arXiv 2503.16870), vocab-parallel aware.
+
+Per token, `samples` ids are drawn with replacement from the teacher's proposal q = softmax(t / proposal_temperature)
+and kept as (unique ids, counts). The sparse target puts the importance weight w_i = c_i * p_i / q_i on each drawn id
+(p = softmax(t / temperature), the distribution the student is distilled towards), normalised to sum 1 as the paper
+does, and the student is trained with the cross-entropy -sum_i w_i log s_i (s = softmax(z / temperature) over the whole
+vocabulary). Its gradient w.r.t. z / T is (sum_i w_i) s - w (scattered onto the drawn ids). With
+proposal_temperature == temperature every weight is c_i / samples, so E[w] = p and the gradient equals the full
+forward-KL gradient s - p in expectation (exactly unbiased, tests/test_sampled.py checks it statistically); with another
+proposal the self-normalised weights are consistent, with a bias of order 1/samples; `normalize=False`
+(loss.normalize_weights=false) keeps the plain importance weights (c_i / samples) p_i / q_i instead, unbiased for any
+proposal at a higher variance.
+
+Two entry points, so that an offline cache can store the draws and feed them back:
+  - `sample_teacher(teacher_logits, samples=..., proposal_temperature=..., temperature=..., seed=...)` ->
+    `TokenSamples(ids, counts, weights, teacher_logprobs)`, each [..., samples] (unused slots: count 0, weight 0);
+  - `sampled_kd_loss(student_logits, ids, weights, teacher_logprobs=None, temperature=...)` -> per-token loss.
+The loss VALUE is sum_i w_i (log p_i - log s_i): an estimate of the full-vocabulary forward KL(p || s) (unbiased at
+proposal_temperature == temperature); without teacher log-probs it is the sparse cross-entropy (the KL plus the
+teacher entropy estimate), whose gradient is the same.
+
+Determinism and TP: the uniforms of a step come from a CPU torch.Generator seeded by `step_seed(seed, step, dp_rank)`
+(the same on every TP rank, a new stream per step, so a resumed run draws what the uninterrupted one drew), sorted per
+row, and inverted through the cumulative proposal mass in float64: rank r owns the draws that fall in its slice of the
+cumulative mass (the rank totals are all-gathered) and resolves them with a local cumsum + searchsorted; one
+all-reduce shares the ids. TP=1 and TP=2 therefore make the same draws, up to float64 rounding of the cumulative sums
+(a draw within ~1e-16 of a bucket edge): no difference in practice. Cost: one float32 exp and one float64 cumsum over
+the vocabulary per token, a searchsorted per draw.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kdexp.losses._shard import Shard
+
+_CHUNK_BYTES = 64 << 20  # scratch per chunk of rows (float64 cumsum when sampling, float32 softmax in backward)
+
+
+class TokenSamples(NamedTuple):
+    """Draws per token, [..., samples] each: unique ids first (sorted), then unused slots (count 0, weight 0)."""
+
+    ids: torch.Tensor  # int64 global vocabulary ids
+    counts: torch.Tensor  # int64 how many of the draws hit each id
+    weights: torch.Tensor  # normalised importance weights c * p / q (sum 1 per token)
+    teacher_logprobs: torch.Tensor  # log p at the loss temperature (for the loss value)
+
+
+def step_seed(seed: int, step: int, dp_rank: int = 0) -> int:
+    """The generator seed of one training step on one data-parallel rank (TP ranks share it): a fixed mix of the
+    three, so each step draws a fresh stream and a resumed run draws what the uninterrupted run drew."""
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(step) * 0xBF58476D1CE4E5B9 + int(dp_rank) * 0x94D049BB133111EB)
+    x &= (1 << 64) - 1
+    x ^= x >> 31
+    return x & ((1 << 63) - 1)
+
+
+def _rows(per_row_bytes: int, n: int) -> int:
+    return max(1, min(n, _CHUNK_BYTES // max(1, per_row_bytes)))
+
+
+def _compact(ids: torch.Tensor):
+    """Sorted draws [n, S] -> (unique ids, counts) packed to the left, same width; unused slots repeat the first id."""
+    first = torch.ones_like(ids, dtype=torch.bool)
+    first[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    run = first.long().cumsum(1) - 1
+    counts = torch.zeros_like(ids).scatter_add_(1, run, torch.ones_like(ids))
+    unique = ids[:, :1].expand_as(ids).clone().scatter_(1, run, ids)  # equal values per run: order does not matter
+    return unique, counts
+
+
+@torch.no_grad()
+def sample_teacher(teacher_logits: torch.Tensor, *, samples: int, proposal_temperature: float = 1.0,
+                   temperature: float = 1.0, seed: int = 0, normalize: bool = True,
+                   tp_group=None) -> TokenSamples:
+    """Draw `samples` ids per token from softmax(teacher_logits / proposal_temperature) over the global vocabulary
+    (this rank holds the contiguous shard [.., V/tp]); deterministic in `seed`, the same on every TP rank.
+
+    normalize=True: weights c p / q normalised to sum 1 (the paper's sparse target; exactly unbiased when the two
+    temperatures are equal, O(1/samples) bias otherwise). normalize=False: weights (c / samples) p / q, the plain
+    importance-sampling estimate, unbiased for any proposal (E[w] = p) at a higher variance; they need not sum to 1."""
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples must be an integer >= 1, got {samples!r}")
+    for name, v in (("proposal_temperature", proposal_temperature), ("temperature", temperature)):
+        if not v > 0:
+            raise ValueError(f"{name} must be > 0, got {v!r}")
+    lead = teacher_logits.shape[:-1]
+    t_all = teacher_logits.reshape(-1, teacher_logits.shape[-1])
+    n, vl = t_all.shape
+    device = t_all.device
+    shard = Shard.make(vl, tp_group, device)
+    gen = torch.Generator(device="cpu").manual_seed(int(seed))
+    u_all = torch.rand(n, samples, generator=gen, dtype=torch.float64).sort(dim=1).values.to(device)
+    ids_all = torch.empty(n, samples, dtype=torch.long, device=device)
+    logit_all = torch.empty(n, samples, dtype=torch.float64, device=device)
+    log_zq_all = torch.empty(n, dtype=torch.float64, device=device)
+    log_zp_all = torch.empty(n, dtype=torch.float64, device=device)
+    rows = _rows(vl * 8 * 3, n)
+    # The proposal's terms exp((t - m) / T_q) in float32 (float64 for float64 logits): elementwise, so identical on
+    # every TP size; their running sum in float64, so that tail probabilities far below float32's epsilon stay exact.
+    wdtype = torch.float64 if teacher_logits.dtype == torch.float64 else torch.float32
+    same_t = proposal_temperature == temperature
+    for lo in range(0, n, rows):
+        t = t_all[lo:lo + rows].to(wdtype)
+        m = shard.row_max(t, wdtype)[:, None]  # global max: the same on every rank
+        w = t.sub(m).div_(proposal_temperature).exp_()
+        cum = torch.cumsum(w, 1, dtype=torch.float64)
+        del w
+        totals = cum[:, -1].contiguous()
+        if shard.world > 1:
+            parts = [torch.empty_like(totals) for _ in range(shard.world)]
+            torch.distributed.all_gather(parts, totals, group=shard.group)
+            rank_cum = torch.stack(parts, 1).cumsum(1)  # [c, tp]: end of each rank's slice of the cumulative mass
+        else:
+            rank_cum = totals[:, None]
+        z = rank_cum[:, -1:]
+        target = u_all[lo:lo + rows] * z
+        owner = torch.searchsorted(rank_cum, target, right=True).clamp_(max=shard.world - 1)
+        start = torch.cat([torch.zeros_like(z), rank_cum[:, :-1]], 1).gather(1, owner)
+        local = torch.searchsorted(cum, target - start, right=True).clamp_(max=vl - 1)
+        mine = owner == shard.rank
+        gid = torch.where(mine, local + shard.offset, torch.zeros_like(local))
+        logit = torch.where(mine, t.gather(1, local).double(), torch.zeros_like(target))
+        packed = torch.stack([gid.double(), logit], -1)  # one all-reduce: float64 holds the ids exactly
+        shard.all_reduce_(packed)
+        ids_all[lo:lo + rows] = packed[..., 0].long()
+        logit_all[lo:lo + rows] = packed[..., 1] - m.double()
+        log_zq_all[lo:lo + rows] = z.squeeze(1).log()
+        # p's normaliser: q's when the temperatures agree (no second pass over the vocabulary)
+        log_zp_all[lo:lo + rows] = log_zq_all[lo:lo + rows] if same_t else shard.logsumexp_(
+            torch.logsumexp((t - m).double() / temperature, dim=1))
+    ids, counts = _compact(ids_all)
+    # The centred teacher logit of each unique id (its first draw's), then log p and log q from it.
+    first_pos = torch.cat([torch.zeros_like(counts[:, :1]), counts.cumsum(1)[:, :-1]], 1).clamp_(max=samples - 1)
+    centred = logit_all.gather(1, first_pos)
+    log_p = centred / temperature - log_zp_all[:, None]
+    log_q = centred / proposal_temperature - log_zq_all[:, None]
+    used = counts > 0
+    # p == q exactly when the temperatures agree (the two log-normalisers differ in the last bits: ignore them).
+    w = importance_weights(counts, None if proposal_temperature == temperature else log_p - log_q, normalize=normalize)
+    dtype = torch.float64 if teacher_logits.dtype == torch.float64 else torch.float32
+    shape = (*lead, samples)
+    return TokenSamples(ids.reshape(shape), counts.reshape(shape), w.to(dtype).reshape(shape),
+                        torch.where(used, log_p, torch.zeros_like(log_p)).to(dtype).reshape(shape))
+
+
+def importance_weights(counts: torch.Tensor, log_ratio: torch.Tensor | None = None, *,
+                       normalize: bool = True) -> torch.Tensor:
+    """Sparse-target weights from draw counts [..., S] (0 = unused slot) and log(p / q) per slot (None: p == q):
+    c p / q normalised to sum 1, or (c / samples) p / q with normalize=False. Float64. For a cache that stores ids,
+    counts and log-probs instead of the weights themselves."""
+    c = counts.double()
+    samples = c.sum(-1, keepdim=True)
+    if log_ratio is None:
+        return c / samples
+    log_w = torch.where(counts > 0, log_ratio.double(), torch.full_like(c, -float("inf")))
+    if not normalize:
+        return c / samples * log_w.exp()
+    w = c * (log_w - log_w.amax(-1, keepdim=True)).exp()  # shifted by the max: no overflow of p / q
+    return w / w.sum(-1, keepdim=True)
+
+
+class _SparseCE(torch.autograd.Function):
+    """-sum_i w_i log softmax(z / T)_{id_i} (+ sum_i w_i log p_i), the student's softmax over the global vocabulary."""
+
+    @staticmethod
+    def forward(ctx, z, ids, weights, teacher_logprobs, temperature, scale, tp_group):
+        cdtype = torch.float64 if z.dtype == torch.float64 else torch.float32
+        z2 = z.reshape(-1, z.shape[-1])
+        n, vl = z2.shape
+        shard = Shard.make(vl, tp_group, z.device)
+        ids2 = ids.reshape(n, -1)
+        w2 = weights.reshape(n, -1).to(cdtype)
+        lidx, owned = shard.local_index(ids2)
+        lse = torch.empty(n, dtype=cdtype, device=z.device)
+        picked = torch.empty_like(w2)
+        rows = _rows(vl * 4 * 2, n)
+        for lo in range(0, n, rows):
+            s = z2[lo:lo + rows].to(cdtype) / temperature
+            m = shard.row_max(s, cdtype)
+            lse[lo:lo + rows] = shard.logsumexp_(torch.logsumexp(s - m[:, None], dim=1)) + m
+            g = s.gather(1, lidx[lo:lo + rows].clamp(max=vl - 1))
+            picked[lo:lo + rows] = torch.where(owned[lo:lo + rows], g, torch.zeros_like(g))
+        shard.all_reduce_(picked)  # each id's student logit / T from the rank that owns it
+        log_s = picked - lse[:, None]
+        target = teacher_logprobs.reshape(n, -1).to(cdtype) if teacher_logprobs is not None else 0.0
+        loss = (w2 * (target - log_s)).sum(1) * scale
+        ctx.save_for_backward(z2, lidx, owned, w2, lse)
+        ctx.temperature, ctx.scale, ctx.shape = temperature, scale, z.shape
+        return loss.reshape(z.shape[:-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        z2, lidx, owned, w2, lse = ctx.saved_tensors
+        n, vl = z2.shape
+        go = grad_out.reshape(n).to(w2.dtype) * (ctx.scale / ctx.temperature)
+        grad = torch.empty_like(z2)
+        wsum = w2.sum(1)
+        w_local = torch.where(owned, w2, torch.zeros_like(w2))
+        rows = _rows(vl * 4 * 2, n)
+        for lo in range(0, n, rows):
+            hi = lo + rows
+            q = (z2[lo:hi].to(w2.dtype) / ctx.temperature - lse[lo:hi, None]).exp_()
+            q.mul_(wsum[lo:hi, None])
+            extra = torch.zeros(q.shape[0], vl + 1, dtype=q.dtype, device=q.device)  # column vl: ids not owned here
+            extra.scatter_add_(1, lidx[lo:hi], w_local[lo:hi])
+            q.sub_(extra[:, :vl]).mul_(go[lo:hi, None])
+            grad[lo:hi] = q.to(grad.dtype)
+        return grad.reshape(ctx.shape), None, None, None, None, None, None
+
+
+def sampled_kd_loss(student_logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    teacher_logprobs: torch.Tensor | None = None, *, temperature: float = 1.0,
+                    scale_by_temperature_squared: bool = False, tp_group=None) -> torch.Tensor:
+    """Per-token sampled KD loss, shape `student_logits.shape[:-1]` (float32; float64 for float64 logits).
+
+    ids/weights [..., S]: global vocabulary ids and their (normalised) importance weights, e.g. from
+    `sample_teacher` or read back from a cache; slots with weight 0 are ignored. The value is the forward-KL
+    estimate sum w (log p - log s) when `teacher_logprobs` (log p at the loss temperature) is given, else the sparse
+    cross-entropy -sum w log s; the gradient is the same either way.
+    """
+    if ids.shape != weights.shape or ids.shape[:-1] != student_logits.shape[:-1]:
+        raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be [..., S] over the "
+                         f"student's tokens {tuple(student_logits.shape[:-1])}")
+    if teacher_logprobs is not None and teacher_logprobs.shape != ids.shape:
+        raise ValueError(f"teacher_logprobs {tuple(teacher_logprobs.shape)} must match ids {tuple(ids.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    scale = float(temperature) ** 2 if scale_by_temperature_squared else 1.0
+    return _SparseCE.apply(student_logits, ids, weights, teacher_logprobs, float(temperature), scale, tp_group)
+
+
+def unique_mass(samples: TokenSamples) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token: the teacher's mass p on the distinct drawn ids (logged as train/kept_mass) and their number
+    (train/nucleus_size)."""
+    used = samples.counts > 0
+    mass = torch.where(used, samples.teacher_logprobs.exp(), torch.zeros_like(samples.teacher_logprobs)).sum(-1)
+    return mass, used.sum(-1)
