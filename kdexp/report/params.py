@@ -13,6 +13,7 @@ from kdexp.track.records import parse_scalar
 # Resolved-config keys that differ between points for bookkeeping reasons, not because of the experiment.
 NOISE_PREFIXES = ("hydra", "paths", "logger", "_wandb")
 ARM_KEYS = ("experiment_arm", "arm")
+SEED_KEY = "trainer.seed"  # points that differ only in it are replicates of one configuration
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
@@ -125,6 +126,8 @@ def build_sweep(points: list[Point], source: str) -> Sweep:
                 swept.append(key)
     for p in points:
         p.params = {k: resolved_value(p, k) for k in swept}
+        seed = p.params[SEED_KEY] if SEED_KEY in p.params else resolved_value(p, SEED_KEY)
+        p.seed = None if seed is MISSING else seed
         if arm_key is not None:
             arm = lookup(p.config, arm_key)
             p.arm = None if arm in (MISSING, None) else str(arm)
@@ -133,4 +136,4 @@ def build_sweep(points: list[Point], source: str) -> Sweep:
     if arm_key is None and any(p.arm is not None for p in points):
         arm_key = "arm"
     return Sweep(source=source, points=points, swept=swept, fixed={k: v for k, v in fixed.items() if v is not MISSING},
-                 arm_key=arm_key, aliases=aliases)
+                 arm_key=arm_key, aliases=aliases, seed_key=SEED_KEY if SEED_KEY in swept else None)
