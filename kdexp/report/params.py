@@ -77,6 +77,12 @@ def _signature(values: list[Any]) -> tuple:
     return tuple(seen.setdefault(json.dumps(v, sort_keys=True, default=str), len(seen)) for v in values)
 
 
+def _determined_by(coarse: tuple, fine: tuple) -> bool:
+    """True when equal ``coarse`` classes always have equal ``fine`` values (fine is a function of coarse)."""
+    seen: dict[int, int] = {}
+    return all(seen.setdefault(c, f) == f for c, f in zip(coarse, fine))
+
+
 def config_differences(points: list[Point], exclude: Iterable[str] = ()) -> dict[str, list[Any]]:
     """Flattened config keys whose resolved value differs between points -> the value per point (None = absent)."""
     flat = [flatten(p.config) for p in points]
@@ -117,9 +123,12 @@ def build_sweep(points: list[Point], source: str) -> Sweep:
             diffs = {arm_key: diffs.pop(arm_key), **diffs}
         by_signature: dict[tuple, str] = {}
         swept = []
+        arm_sig = _signature(diffs[arm_key]) if arm_key in diffs else None
         for key, values in diffs.items():
             sig = _signature(values)
-            if sig in by_signature:
+            if arm_sig is not None and key != arm_key and _determined_by(arm_sig, sig):
+                aliases.setdefault(arm_key, []).append(key)  # the arm sets it (loss.top_p only in the top_p arm)
+            elif sig in by_signature:
                 aliases.setdefault(by_signature[sig], []).append(key)
             else:
                 by_signature[sig] = key
