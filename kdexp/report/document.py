@@ -40,6 +40,8 @@ class ReportFiles:
     markdown: Path
     html: Path
     plots: dict[str, Path]
+    live: bool = False  # the page carries the refresh tag
+    summary: str = ""  # the counts line ("3 points: 2 finished, 1 running")
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -155,5 +157,6 @@ def write_report(sweep: Sweep, out_dir: str | Path, plots: Optional[dict[str, Pa
         plots = write_plots(sweep, out_dir)
     md, page = out_dir / "report.md", out_dir / "index.html"
     _atomic_write(md, render_markdown(sweep, plots, out_dir))
+    live = sweep.live if live is None else live
     _atomic_write(page, render_html(sweep, plots, out_dir, live=live))
-    return ReportFiles(out_dir, md, page, plots)
+    return ReportFiles(out_dir, md, page, plots, live, summary_line(sweep))
