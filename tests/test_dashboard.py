@@ -30,9 +30,10 @@ PROBE = """<script>window.addEventListener("load", () => {
   const imgs = [...document.images].map(i => [i.getAttribute("src"), i.complete, i.naturalWidth, i.naturalHeight]);
   const refresh = [...document.querySelectorAll('meta[http-equiv="refresh"]')].map(m => m.content);
   const live = document.getElementById("live");
-  document.body.insertAdjacentHTML("beforeend", '<pre id="kdexp-probe"></pre>');
-  document.getElementById("kdexp-probe").textContent = JSON.stringify(
-    {rows, imgs, refresh, live: live ? live.textContent : null});
+  const out = document.createElement("pre");
+  out.id = "kdexp-probe";
+  out.textContent = JSON.stringify({rows, imgs, refresh, live: live ? live.textContent : null});
+  document.body.appendChild(out);
 });</script>"""
 
 
