@@ -82,7 +82,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "point.json below it)", file=sys.stderr)
         return 1
     out = Path(args.out) if args.out else Path(args.sweep_dir) / "report"
-    files = write_report(sweep, out)
+    # a W&B report is a snapshot nobody regenerates: no refresh tag; a sweep dir's page refreshes while points run
+    files = write_report(sweep, out, live=False if args.wandb_group is not None else None)
     print(summary_line(sweep))
     for line in best_lines(best_points(sweep)):
         print("best " + line)

@@ -9,7 +9,7 @@
     failed or diverged (``fail_exit``).
 
 With ``report`` (the default) the sweep's live dashboard, <sweep>/report/index.html, is regenerated when the sweep
-starts, after each point ends (rank 0 of the job) and, final and without its refresh tag, when the multirun ends
+starts, when each point starts and ends (rank 0 of the job) and, final and without its refresh tag, when the multirun ends
 (kdexp.report.live; a report error is one line on stderr and never fails a point or the sweep).
 
 A point that raised is "diverged" when its summary.json says so (kdexp.train.point writes it when a non-finite loss
@@ -103,6 +103,7 @@ class SweepCallback(Callback):
         record_point(run_dir, "running", metrics={}, attempt=attempt, started=records.now(),
                      host=socket.gethostname(), slurm_job_id=slurm_job_id())
         rebuild_sweep(hydra_sweep_dir(config.hydra))
+        self._refresh_report(hydra_sweep_dir(config.hydra))  # the dashboard shows this point running
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         if not is_multirun(config.hydra):
