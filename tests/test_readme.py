@@ -246,6 +246,12 @@ COMMANDS: dict[str, How] = {
     "model.student_path=/ckpt/Qwen3-0.6B data=indexed data.prefixes=[/data/corpus_text_document] "
     "data.tokenizer=/ckpt/Qwen3-1.7B parallel.tensor=8 hydra/launcher=slurm_gpu": How(
         "composed", "needs the Qwen3 checkpoints, an indexed corpus and SLURM GPU nodes"),
+    "python -m kdexp.run experiment=qwen3_before_after hydra/launcher=local_cpu": How(
+        "covered", "tests/test_experiment.py::test_before_after_arms_run_and_report"),
+    "python -m kdexp.run experiment=qwen3_before_after trainer.seed=1,2,3,4,5": How(
+        "covered", "tests/test_experiment.py::test_before_after_arms_run_and_report"),
+    "python -m kdexp.report multirun/<date>/<time-id> --watch": How(
+        "covered", "tests/test_dashboard.py::test_dashboard_of_a_real_sweep_in_chromium"),
     "python -m kdexp.report <the sweep dir it prints>": How(
         "covered", "tests/test_experiment.py::test_before_after_arms_run_and_report"),
     "python -m kdexp.run loss=sampled loss.samples=32": How(

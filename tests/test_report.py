@@ -100,10 +100,10 @@ def test_best_points_only_among_finished(grid):
     sweep = load_sweep(grid)
     best = best_points(sweep)
     for metric_i, metric in enumerate(NAMES):
-        if metric == "train/kept_mass":
-            assert metric not in best  # descriptive, no better direction
+        if metric in ("train/kept_mass", "perf/tokens_per_s"):
+            assert metric not in best  # descriptive / machine-dependent: never a "best"
             continue
-        pick = max if metric in ("val/top1_agreement", "perf/tokens_per_s") else min
+        pick = max if metric == "val/top1_agreement" else min
         g = pick(FINISHED, key=lambda k: FINISHED[k][metric_i])
         assert best[metric].point.name == str(GRID.index(g)), metric
         assert best[metric].value == FINISHED[g][metric_i]
@@ -122,12 +122,15 @@ def test_report_files_markdown_html_pngs(grid, tmp_path):
         assert w > 200 and h > 200
         assert path.parent == grid / "report"
     assert "## Failed points" in md and "RuntimeError: boom at step 2" in md and 'File "loop.py"' in md
-    assert "val/lm_loss (lowest is best): 2.8000 at 1 (balancer.alpha=0.5, loss=topk)" in md
+    assert ("val/lm_loss (lowest is best): 2.8000 at 1 (balancer.alpha=0.5, loss=topk) - one run each: not tested"
+            " against the runner-up") in md
+    assert "perf/tokens_per_s (machine-dependent)" in md and "perf/tokens_per_s (highest" not in md
     assert "Common overrides: trainer.max_steps=4" in md
     assert "![curves](curves.png)" in md and '<img src="vs_balancer.alpha.png"' in page
     assert page.count("<table") == 1 and "<th>val/kl_to_teacher</th>" in page
     # every finished point's row, as the hand-made summary.json has it (the best values bold)
-    best = {m: min if m in ("val/lm_loss", "val/kl_to_teacher") else max for m in NAMES if m != "train/kept_mass"}
+    best = {m: min if m in ("val/lm_loss", "val/kl_to_teacher") else max for m in NAMES
+            if m not in ("train/kept_mass", "perf/tokens_per_s")}
     for num, (alpha, loss) in enumerate(GRID):
         if (alpha, loss) in FINISHED:
             values = FINISHED[(alpha, loss)]
@@ -265,7 +268,14 @@ def test_arms_side_by_side(tmp_path):
         assert ([r[0] for r in table.rows].index(metric), best_col) in table.bold
     files = write_report(sweep, tmp_path / "out")
     assert "arms" in files.plots and png_size(files.plots["arms"])[0] > 200
-    assert "## Arms (metrics: mean over each arm's finished points)" in files.markdown.read_text()
+    md = files.markdown.read_text()
+    assert "## Arms (metrics: mean ± std over each arm's finished points [95% Student-t interval])" in md
+    # two seeds per arm: the arms table shows mean ± std [t interval], t_{0.975,1} = 12.706 (table value)
+    lm = ARM_VALUES["before"][0][0], ARM_VALUES["before"][1][0]
+    mean, sd = sum(lm) / 2, abs(lm[0] - lm[1]) / math.sqrt(2)
+    half = 12.706204736174698 * sd / math.sqrt(2)
+    cell = dict(zip(table.columns, table.text[[r[0] for r in table.rows].index("val/lm_loss")]))["before"]
+    assert cell == f"{mean:.4f} ± {sd:.4f} [{mean - half:.4f}, {mean + half:.4f}]"
 
 
 NAN = float("nan")
@@ -310,8 +320,10 @@ def test_diverged_point_and_nan_metrics(tmp_path):
         "NaN", "0.7000", "—")  # NaN is a value, "—" is missing
     assert text[3]["val/kl_to_teacher"] == "NaN" and math.isnan(table.records()[3]["val/kl_to_teacher"])
     assert text[3]["val/lm_loss"] == "2.8000"
-    best = best_points(sweep)  # never a NaN, never a diverged point
-    assert best["val/lm_loss"].value == 2.8 and best["val/kl_to_teacher"].value == 0.4
+    best = best_points(sweep)  # configurations (arm over seeds); never a NaN mean, never a diverged point
+    assert best["val/lm_loss"].value == pytest.approx(2.9) and best["val/lm_loss"].ranking.best.arm == "after"
+    assert best["val/kl_to_teacher"].value == pytest.approx(0.7)  # "after" has a NaN replicate: its mean is NaN
+    assert best["val/kl_to_teacher"].ranking.runner_up is None
 
     arms = arms_table(sweep)
     rows = {r[0]: r[1:] for r in arms.rows}
@@ -319,8 +331,10 @@ def test_diverged_point_and_nan_metrics(tmp_path):
     assert rows["points"] == [3, 2] and rows["finished"] == [2, 2] and rows["diverged"] == [1, 0]
     assert rows["val/lm_loss"] == pytest.approx([3.3, 2.9])  # the diverged point is not a replicate
     assert rows["val/kl_to_teacher"][0] == pytest.approx(0.7) and math.isnan(rows["val/kl_to_teacher"][1])
-    assert cells["val/kl_to_teacher"] == ["0.7000", "NaN (1 of 2 non-finite)"]  # propagated, with the count
-    assert cells["val/lm_loss"] == ["3.3000", f"2.9000 ({100 * (2.9 - 3.3) / 3.3:+.1f}%)"]
+    assert cells["val/kl_to_teacher"][0].startswith("0.7000 ± 0.1414 [")
+    assert cells["val/kl_to_teacher"][1] == "NaN (1 of 2 non-finite)"  # propagated, with the count
+    assert [c.split(" ± ")[0] for c in cells["val/lm_loss"]] == ["3.3000", "2.9000"]
+    assert cells["val/lm_loss"][1].endswith(f"({100 * (2.9 - 3.3) / 3.3:+.1f}%)")
 
     files = write_report(sweep, tmp_path / "out")
     md, page = files.markdown.read_text(), files.html.read_text()
@@ -386,7 +400,7 @@ def test_wandb_group_through_cli_with_fake_api(tmp_path, monkeypatch):
     assert FakeApi.calls == [("e/p", {"group": "2026-12-02_17-34-40-ab12cd"})]
     md = (out / "report.md").read_text()
     assert "# kdexp report: wandb:e/p/2026-12-02_17-34-40-ab12cd" in md
-    assert "| balancer.alpha=0.0,loss=topk | 0.0 | topk | 3.0000 | 0.5000 | 0.4000 | 0.9000 | **1000.0** |" in md
+    assert "| balancer.alpha=0.0,loss=topk | 0.0 | topk | 3.0000 | 0.5000 | 0.4000 | 0.9000 | 1000.0 |" in md
     assert "W&B run state: crashed" in md
     assert png_size(out / "curves.png")[0] > 200
 

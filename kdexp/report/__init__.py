@@ -4,10 +4,13 @@
 
 The notebook (notebooks/ablation_report.ipynb) calls the same functions. Nothing here imports the training code.
 """
+from kdexp.report.comparisons import configurations_table, differences_table
 from kdexp.report.document import ReportFiles, render_html, render_markdown, write_report
 from kdexp.report.model import Aggregate, Point, Sweep, aggregate
 from kdexp.report.params import build_sweep
 from kdexp.report.rundirs import find_run_dirs, latest_sweep, load_point, load_sweep
+from kdexp.report.replicates import Configuration, configurations, is_timing
+from kdexp.report.stats import Difference, Summary, compare, paired_difference, summarize
 from kdexp.report.plots import plot_arms, plot_curves, plot_metric_vs_param, write_plots
 from kdexp.report.tables import (BEST_METRICS, TABLE_METRICS, Best, Table, arms_table, best_lines, best_points,
                                  points_table, summary_line, to_html, to_markdown)
@@ -16,4 +19,6 @@ from kdexp.report.wandb_source import load_wandb_group
 __all__ = ["Point", "Sweep", "Aggregate", "aggregate", "load_sweep", "load_point", "find_run_dirs", "build_sweep", "latest_sweep",
            "Table", "Best", "TABLE_METRICS", "BEST_METRICS", "points_table", "arms_table", "best_points", "best_lines",
            "summary_line", "to_markdown", "to_html", "plot_curves", "plot_metric_vs_param", "plot_arms", "write_plots",
-           "ReportFiles", "write_report", "render_markdown", "render_html", "load_wandb_group"]
+           "ReportFiles", "write_report", "render_markdown", "render_html", "load_wandb_group",
+           "configurations_table", "differences_table", "Configuration", "configurations", "is_timing", "Summary",
+           "Difference", "summarize", "paired_difference", "compare"]

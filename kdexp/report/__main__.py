@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 USAGE_EXAMPLES = """examples:
   python -m kdexp.report multirun/2026-12-02/17-34-40-ab12cd          -> <sweep>/report/
   python -m kdexp.report outputs/2026-12-02/17-40-01-cd34ef --out /tmp/r   (a single run)
+  python -m kdexp.report multirun/2026-12-02/17-34-40-ab12cd --watch  (live dashboard until the sweep ends)
   python -m kdexp.report --wandb-group 2026-12-02_17-34-40-ab12cd --wandb-project kdexp --out report/
 """
 
@@ -27,6 +28,11 @@ def parser() -> argparse.ArgumentParser:
                    help="read the points from this W&B group instead of run dirs (needs W&B online access)")
     p.add_argument("--wandb-project", metavar="P", default="kdexp", help="W&B project (default: kdexp)")
     p.add_argument("--wandb-entity", metavar="E", default=None, help="W&B entity (default: your default entity)")
+    p.add_argument("--watch", action="store_true",
+                   help="keep SWEEP_DIR's report current while the sweep runs (index.html reloads itself in the "
+                        "browser) and stop when no point is pending or running; the final page has no refresh")
+    p.add_argument("--interval", metavar="S", type=float, default=None,
+                   help="with --watch: seconds between looks at the sweep's files (default: 10)")
     return p
 
 
@@ -37,8 +43,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error("give SWEEP_DIR or --wandb-group GROUP")
     if args.out is None and args.sweep_dir is None:
         ap.error("--wandb-group needs --out DIR or SWEEP_DIR (the report goes to SWEEP_DIR/report)")
-    from kdexp.report.document import write_report
+    if args.watch and args.wandb_group is not None:
+        ap.error("--watch reads a sweep dir (SWEEP_DIR), not a W&B group")
+    if args.interval is not None and (not args.watch or not args.interval > 0):
+        ap.error(f"--interval={args.interval} needs --watch and must be > 0 seconds")
+    from kdexp.report.document import REFRESH_S, write_report
     from kdexp.report.tables import best_lines, best_points, summary_line
+
+    if args.watch:
+        from kdexp.report.live import watch
+
+        if not Path(args.sweep_dir).is_dir():
+            print(f"kdexp.report: sweep_dir={args.sweep_dir!r} is not a directory", file=sys.stderr)
+            return 2
+        try:
+            files = watch(args.sweep_dir, args.out, interval=args.interval or REFRESH_S,
+                          echo=lambda line: print(line, flush=True))
+        except KeyboardInterrupt:
+            print("kdexp.report: stopped watching (the page keeps its last state)", file=sys.stderr)
+            return 130
+        print(f"final report: {files.markdown}\nhtml:   {files.html}")
+        return 0
 
     try:
         if args.wandb_group is not None:
@@ -57,7 +82,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "point.json below it)", file=sys.stderr)
         return 1
     out = Path(args.out) if args.out else Path(args.sweep_dir) / "report"
-    files = write_report(sweep, out)
+    # a W&B report is a snapshot nobody regenerates: no refresh tag; a sweep dir's page refreshes while points run
+    files = write_report(sweep, out, live=False if args.wandb_group is not None else None)
     print(summary_line(sweep))
     for line in best_lines(best_points(sweep)):
         print("best " + line)

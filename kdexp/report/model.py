@@ -52,6 +52,7 @@ class Point:
     final_partial: bool = False  # final holds the last logged values of a run that did not finish
     params: dict[str, Any] = field(default_factory=dict)  # swept key -> resolved value (set by build_sweep)
     arm: Optional[str] = None  # the experiment arm (set by build_sweep when the config names one)
+    seed: Any = None  # trainer.seed as resolved (set by build_sweep): replicates of a configuration pair by it
 
     @property
     def label(self) -> str:
@@ -71,6 +72,17 @@ class Sweep:
     fixed: dict[str, str]  # overrides every point shares
     arm_key: Optional[str] = None  # config key naming the experiment arm, when the points have one
     aliases: dict[str, list[str]] = field(default_factory=dict)  # swept key -> config keys that vary with it
+    seed_key: Optional[str] = None  # the swept key that only picks a replicate (trainer.seed), when one is swept
+
+    @property
+    def config_keys(self) -> list[str]:
+        """The swept keys that make a configuration (every swept key but the seed)."""
+        return [k for k in self.swept if k != self.seed_key]
+
+    @property
+    def live(self) -> bool:
+        """True while a point is still pending or running (the dashboard refreshes itself)."""
+        return any(p.status in ("pending", "running") for p in self.points)
 
     @property
     def finished(self) -> list[Point]:

@@ -13,6 +13,7 @@ from kdexp.track.records import parse_scalar
 # Resolved-config keys that differ between points for bookkeeping reasons, not because of the experiment.
 NOISE_PREFIXES = ("hydra", "paths", "logger", "_wandb")
 ARM_KEYS = ("experiment_arm", "arm")
+SEED_KEY = "trainer.seed"  # points that differ only in it are replicates of one configuration
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
@@ -76,6 +77,12 @@ def _signature(values: list[Any]) -> tuple:
     return tuple(seen.setdefault(json.dumps(v, sort_keys=True, default=str), len(seen)) for v in values)
 
 
+def _determined_by(coarse: tuple, fine: tuple) -> bool:
+    """True when equal ``coarse`` classes always have equal ``fine`` values (fine is a function of coarse)."""
+    seen: dict[int, int] = {}
+    return all(seen.setdefault(c, f) == f for c, f in zip(coarse, fine))
+
+
 def config_differences(points: list[Point], exclude: Iterable[str] = ()) -> dict[str, list[Any]]:
     """Flattened config keys whose resolved value differs between points -> the value per point (None = absent)."""
     flat = [flatten(p.config) for p in points]
@@ -116,15 +123,20 @@ def build_sweep(points: list[Point], source: str) -> Sweep:
             diffs = {arm_key: diffs.pop(arm_key), **diffs}
         by_signature: dict[tuple, str] = {}
         swept = []
+        arm_sig = _signature(diffs[arm_key]) if arm_key in diffs else None
         for key, values in diffs.items():
             sig = _signature(values)
-            if sig in by_signature:
+            if arm_sig is not None and key != arm_key and _determined_by(arm_sig, sig):
+                aliases.setdefault(arm_key, []).append(key)  # the arm sets it (loss.top_p only in the top_p arm)
+            elif sig in by_signature:
                 aliases.setdefault(by_signature[sig], []).append(key)
             else:
                 by_signature[sig] = key
                 swept.append(key)
     for p in points:
         p.params = {k: resolved_value(p, k) for k in swept}
+        seed = p.params[SEED_KEY] if SEED_KEY in p.params else resolved_value(p, SEED_KEY)
+        p.seed = None if seed is MISSING else seed
         if arm_key is not None:
             arm = lookup(p.config, arm_key)
             p.arm = None if arm in (MISSING, None) else str(arm)
@@ -133,4 +145,4 @@ def build_sweep(points: list[Point], source: str) -> Sweep:
     if arm_key is None and any(p.arm is not None for p in points):
         arm_key = "arm"
     return Sweep(source=source, points=points, swept=swept, fixed={k: v for k, v in fixed.items() if v is not MISSING},
-                 arm_key=arm_key, aliases=aliases)
+                 arm_key=arm_key, aliases=aliases, seed_key=SEED_KEY if SEED_KEY in swept else None)

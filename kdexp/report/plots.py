@@ -2,17 +2,25 @@
 
 Figures are drawn on matplotlib's Agg canvas directly (``Figure`` + ``FigureCanvasAgg``), never through pyplot, so
 no global backend is switched and the same code runs headless in the CLI and inside a notebook kernel.
+
+Over replicates (trainer.seed swept) a curve is the configuration's mean over its seeds with a band (the 95%
+Student-t interval of the mean, where 2 or more seeds have the step), bars and points carry that interval as error
+bars, and the arms plot shows every seed as a dot. PNGs are written atomically: a live page never shows half a file.
 """
 from __future__ import annotations
 
+import os
 import re
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from kdexp.report.model import Point, Sweep, aggregate, iter_values, short
+from kdexp.report.model import Point, Sweep, iter_values, short
+from kdexp.report.replicates import Configuration, configurations, has_replicates, metric_label
+from kdexp.report.stats import Summary, summarize
 from kdexp.report.tables import TABLE_METRICS
 
 CURVE_METRICS = ("train/loss", "val/lm_loss", "val/kl_to_teacher", "val/top1_agreement")
@@ -31,8 +39,17 @@ def _figure(n_panels: int, width: float = 4.6, height: float = 3.4) -> tuple[Fig
 def _save(fig: Figure, path: Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="png", dpi=100)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png.tmp")
+    with os.fdopen(fd, "wb") as f:
+        fig.savefig(f, format="png", dpi=100)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
     return path
+
+
+def _yerr(s: Summary) -> float:
+    """The error bar: half the 95% t interval (0 for a single run, which has none)."""
+    return s.half_width or 0.0
 
 
 def _legend(fig: Figure, axes: list, n_entries: int) -> None:
@@ -50,30 +67,66 @@ def safe_name(key: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("_") or "param"
 
 
+def _mean_curve(points: list[Point], metric: str) -> list[tuple[int, Summary]]:
+    """Per step, the summary over the points that logged it (a running seed contributes the steps it has)."""
+    by_step: dict[int, list[float]] = {}
+    for p in points:
+        for step, v in p.curves.get(metric) or []:
+            by_step.setdefault(step, []).append(v)
+    return [(step, summarize(vs)) for step, vs in sorted(by_step.items())]
+
+
+def _config_status(c: Configuration) -> str:
+    for status in ("running", "pending", "failed", "diverged"):
+        if any(p.status == status for p in c.points):
+            return status
+    return "finished"
+
+
 def plot_curves(sweep: Sweep, path: str | Path, metrics: tuple[str, ...] = CURVE_METRICS) -> Optional[Path]:
-    """train/loss and val/* over step, one line per point (dashed: running, dotted: failed). None without curves."""
+    """train/loss and val/* over step, one line per point (dashed: running, dotted: failed); over replicates one line
+    per configuration (the mean over its seeds) with the 95% interval as a band. None without curves."""
     metrics = tuple(m for m in metrics if any(p.curves.get(m) for p in sweep.points))
     if not metrics:
         return None
     fig, axes = _figure(len(metrics))
+    configs = configurations(sweep) if has_replicates(sweep) else None
     for ax, metric in zip(axes, metrics):
-        for i, p in enumerate(sweep.points):
-            curve = p.curves.get(metric)
-            if curve:
-                steps, values = zip(*curve)
-                ax.plot(steps, values, _STYLE.get(p.status, "-"), marker="o" if len(curve) < 12 else None,
-                        markersize=3, color=f"C{i % 10}", label=f"{p.label} [{p.status}]"
-                        if p.status != "finished" else p.label)
-        ax.set_title(metric)
+        if configs is None:
+            for i, p in enumerate(sweep.points):
+                curve = p.curves.get(metric)
+                if curve:
+                    steps, values = zip(*curve)
+                    ax.plot(steps, values, _STYLE.get(p.status, "-"), marker="o" if len(curve) < 12 else None,
+                            markersize=3, color=f"C{i % 10}", label=f"{p.label} [{p.status}]"
+                            if p.status != "finished" else p.label)
+        else:
+            for i, c in enumerate(configs):
+                curve = _mean_curve([p for p in c.points if p.status != "failed"], metric)
+                if not curve:
+                    continue
+                steps = [st for st, _ in curve]
+                means = [s.mean for _, s in curve]
+                status = _config_status(c)
+                ax.plot(steps, means, _STYLE.get(status, "-"), marker="o" if len(curve) < 12 else None, markersize=3,
+                        color=f"C{i % 10}", label=f"{c.label} (n={len(c.finished)})"
+                        + (f" [{status}]" if status != "finished" else ""))
+                band = [(st, s) for st, s in curve if s.lo is not None]
+                if band:
+                    ax.fill_between([st for st, _ in band], [s.lo for _, s in band], [s.hi for _, s in band],
+                                    color=f"C{i % 10}", alpha=0.2, linewidth=0)
+        ax.set_title(metric_label(metric))
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    _legend(fig, axes, len(sweep.points))
+    _legend(fig, axes, len(configs) if configs is not None else len(sweep.points))
+    if configs is not None:
+        fig.suptitle("mean over seeds; band: 95% Student-t interval of the mean")
     return _save(fig, path)
 
 
 def _combos(sweep: Sweep, points: list[Point], key: str) -> dict[str, list[Point]]:
     """Points grouped by the values of the swept keys other than ``key`` (one line / bar series each)."""
-    others = [k for k in sweep.swept if k != key]
+    others = [k for k in sweep.config_keys if k != key]  # not the seed: its points are the replicates of a mean
     groups: dict[str, list[Point]] = {}
     for p in points:
         label = ", ".join(f"{k}={short(p.params.get(k))}" for k in others) or "all points"
@@ -81,13 +134,13 @@ def _combos(sweep: Sweep, points: list[Point], key: str) -> dict[str, list[Point
     return groups
 
 
-def _mean_by(points: list[Point], key: str, metric: str) -> dict[Any, float]:
-    """The mean per value of ``key`` (NaN when a replicate is non-finite: a gap in the line, not a dropped run)."""
+def _mean_by(points: list[Point], key: str, metric: str) -> dict[Any, Summary]:
+    """The summary per value of ``key`` (NaN when a replicate is non-finite: a gap in the line, not a dropped run)."""
     groups: dict[Any, list[Point]] = {}
     for p in points:
         groups.setdefault(p.params.get(key), []).append(p)
-    means = {x: aggregate(members, metric).mean for x, members in groups.items()}
-    return {x: m for x, m in means.items() if m is not None}
+    sums = {x: Configuration({}, members).summary(metric) for x, members in groups.items()}
+    return {x: s for x, s in sums.items() if s.mean is not None}
 
 
 def plot_metric_vs_param(sweep: Sweep, key: str, path: str | Path,
@@ -109,11 +162,13 @@ def plot_metric_vs_param(sweep: Sweep, key: str, path: str | Path,
                 continue
             if numeric:
                 xs = sorted(means)
-                ax.plot(xs, [means[x] for x in xs], "o-", color=f"C{gi % 10}", label=label)
+                ax.errorbar(xs, [means[x].mean for x in xs], yerr=[_yerr(means[x]) for x in xs], fmt="o-",
+                            capsize=3, color=f"C{gi % 10}", label=label)
             else:
                 width = 0.8 / len(groups)
                 xs = [categories.index(c) - 0.4 + width * (gi + 0.5) for c in means]
-                ax.bar(xs, list(means.values()), width=width, color=f"C{gi % 10}", label=label)
+                ax.bar(xs, [m.mean for m in means.values()], width=width, color=f"C{gi % 10}", label=label,
+                       yerr=[_yerr(m) for m in means.values()], capsize=3)
         if numeric:
             xs = [x for x in categories if x is not None]
             if min(xs) > 0 and max(xs) / min(xs) >= 100:  # lr-like sweeps span decades
@@ -123,11 +178,12 @@ def plot_metric_vs_param(sweep: Sweep, key: str, path: str | Path,
             long = max(len(n) for n in names) > 10
             ax.set_xticks(range(len(categories)), names, rotation=20 if long else 0, ha="right" if long else "center",
                           rotation_mode="anchor")
-        ax.set_title(metric)
+        ax.set_title(metric_label(metric))
         ax.set_xlabel(key)
         ax.grid(alpha=0.3)
     _legend(fig, axes, len(groups))
-    fig.suptitle(f"final metrics against {key}")
+    fig.suptitle(f"final metrics against {key}" + ("; mean over seeds, error bars: 95% t interval"
+                                                   if has_replicates(sweep) else ""))
     return _save(fig, path)
 
 
@@ -141,13 +197,18 @@ def plot_arms(sweep: Sweep, path: str | Path, metrics: tuple[str, ...] = TABLE_M
     fig, axes = _figure(len(metrics))
     for ax, metric in zip(axes, metrics):
         for i, arm in enumerate(arms):
-            mean = aggregate([p for p in finished if p.arm == arm], metric).mean
-            if mean is not None:  # NaN (a non-finite replicate) draws no bar; the arms table says why
-                ax.bar(i, mean, color=f"C{i % 10}")
+            c = Configuration({}, [p for p in finished if p.arm == arm])
+            s = c.summary(metric)
+            if s.mean is not None:  # NaN (a non-finite replicate) draws no bar; the arms table says why
+                ax.bar(i, s.mean, color=f"C{i % 10}", yerr=_yerr(s), capsize=4, alpha=0.8)
+                values = list(c.values(metric).values())
+                if len(values) > 1:  # every seed, so the spread behind the interval is visible
+                    ax.plot([i] * len(values), values, "k.", markersize=5)
         ax.set_xticks(range(len(arms)), arms)
-        ax.set_title(metric)
+        ax.set_title(metric_label(metric))
         ax.grid(alpha=0.3, axis="y")
-    fig.suptitle(f"arms ({sweep.arm_key})")
+    fig.suptitle(f"arms ({sweep.arm_key})" + ("; bars: mean, error bars: 95% t interval, dots: seeds"
+                                             if has_replicates(sweep) else ""))
     return _save(fig, path)
 
 
@@ -156,11 +217,14 @@ def write_plots(sweep: Sweep, out_dir: str | Path) -> dict[str, Path]:
     PNGs of an earlier report of the same dir that no longer apply are removed."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for old in [*out_dir.glob("vs_*.png"), out_dir / "curves.png", out_dir / "arms.png"]:
-        old.unlink(missing_ok=True)
     plots: dict[str, Optional[Path]] = {"curves": plot_curves(sweep, out_dir / "curves.png")}
     if sweep.arms:
         plots["arms"] = plot_arms(sweep, out_dir / "arms.png")
-    for key in sweep.swept:
+    for key in sweep.config_keys:  # the seed is not a parameter to plot against: it is what the error bars are over
         plots[f"vs {key}"] = plot_metric_vs_param(sweep, key, out_dir / f"vs_{safe_name(key)}.png")
-    return {k: v for k, v in plots.items() if v is not None}
+    plots = {k: v for k, v in plots.items() if v is not None}
+    # after the new files exist (a live page keeps showing the old ones until then): drop those that no longer apply
+    for old in [*out_dir.glob("vs_*.png"), out_dir / "curves.png", out_dir / "arms.png"]:
+        if old not in plots.values():
+            old.unlink(missing_ok=True)
+    return plots

@@ -1,9 +1,11 @@
-"""Tables of a sweep (every point; the arms side by side), the best point per metric, and their Markdown/HTML.
+"""Tables of a sweep (every point; configurations over seeds; the arms side by side; paired differences), the best
+configuration per metric, and their Markdown/HTML.
 
 A ``Table`` keeps the raw values (what tests and notebooks compute with) next to the text shown, so the Markdown
 file, the HTML page and the notebook print the same numbers. "—" is a missing value; a non-finite one is shown as
-"NaN", "Infinity" or "-Infinity" (as records stores it), and an arm's mean over replicates with a non-finite value is
-NaN with the count ("NaN (1 of 2 non-finite)"), never the mean of the rest.
+"NaN", "Infinity" or "-Infinity" (as records stores it), and a mean over replicates with a non-finite value is NaN
+with the count ("NaN (1 of 2 non-finite)"), never the mean of the rest. Over replicates a cell reads
+"mean ± std [95% t interval]"; timing metrics (perf/*) are labelled machine-dependent and never ranked.
 """
 from __future__ import annotations
 
@@ -12,27 +14,32 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from kdexp.report.model import MISSING, Point, Sweep, aggregate, iter_values, short
+from kdexp.report.model import MISSING, Point, Sweep, aggregate, short
 from kdexp.report.params import config_differences
+from kdexp.report.replicates import Configuration, Ranking, configurations, has_replicates, is_timing, metric_label, rank
+from kdexp.report.stats import Difference, Summary
 from kdexp.track.records import parse_scalar
 
 # The per-point table's metric columns, in order.
 TABLE_METRICS = ("val/lm_loss", "val/kl_to_teacher", "val/top1_agreement", "train/kept_mass", "perf/tokens_per_s")
 # Which way is better. train/kept_mass is left out on purpose: it describes the loss setting (a larger Top-K keeps
-# more teacher mass), it is not something to maximise.
-GOALS = {"val/lm_loss": "min", "val/kl_to_teacher": "min", "val/top1_agreement": "max", "perf/tokens_per_s": "max",
+# more teacher mass), it is not something to maximise. Timing metrics have no goal here: points of a sweep run under
+# different machine load (other points, other users), so a faster point is no finding (replicates.is_timing).
+GOALS = {"val/lm_loss": "min", "val/kl_to_teacher": "min", "val/top1_agreement": "max",
          "train/loss": "min", "train/lm_loss": "min", "train/kd_loss": "min"}
-BEST_METRICS = ("val/lm_loss", "val/kl_to_teacher", "val/top1_agreement", "perf/tokens_per_s")
+BEST_METRICS = ("val/lm_loss", "val/kl_to_teacher", "val/top1_agreement")
 
 
 def goal(metric: str) -> Optional[str]:
-    """'min', 'max' or None (no better direction)."""
+    """'min', 'max' or None (no better direction; always None for timing metrics)."""
+    if is_timing(metric):
+        return None
     if metric in GOALS:
         return GOALS[metric]
     name = metric.lower()
     if "loss" in name or "kl" in name:
         return "min"
-    if "agreement" in name or "tokens_per_s" in name or "accuracy" in name:
+    if "agreement" in name or "accuracy" in name:
         return "max"
     return None
 
@@ -68,31 +75,90 @@ class Table:
 
 @dataclass
 class Best:
+    """The best configuration for a metric (a single point when there are no replicates): ``point`` is its first
+    finished point, ``value`` its mean, ``ranking`` the comparison with the runner-up."""
+
     metric: str
     goal: str
     point: Point
     value: float
+    ranking: Optional[Ranking] = None
+
+
+def fmt_p(p: Optional[float]) -> str:
+    if p is None or math.isnan(p):
+        return "—"
+    return "<0.0001" if p < 1e-4 else f"{p:.4f}"
+
+
+def summary_text(s: Summary, with_n: bool = False) -> str:
+    """'mean ± std [lo, hi]' (the 95% t interval of the mean); one value as is; NaN with the non-finite count."""
+    if s.mean is None:
+        return "—"
+    if s.nonfinite:
+        return f"NaN ({s.nonfinite} of {s.n} non-finite)"
+    n = f" (n={s.n})" if with_n else ""
+    if s.std is None:
+        return fmt(s.mean) + n
+    return f"{fmt(s.mean)} ± {fmt(s.std)} [{fmt(s.lo)}, {fmt(s.hi)}]" + n
+
+
+def difference_text(d: Difference) -> str:
+    """'-0.1200 [-0.2000, -0.0400], paired by seed (n=3), p=0.0123'."""
+    if d.mean is None:
+        return "no common values"
+    if d.nonfinite:
+        return f"NaN ({d.nonfinite} non-finite)"
+    if d.lo is None:
+        return f"{d.mean:+.4f} ({d.method}: too few to test)"
+    return f"{d.mean:+.4f} [{d.lo:+.4f}, {d.hi:+.4f}], {d.method}, p={fmt_p(d.p)}"
+
+
+def verdict(d: Optional[Difference]) -> str:
+    if d is None or d.significant is None:
+        return "not tested (needs 2 replicates)" if d is None or not d.nonfinite else "not tested (non-finite)"
+    return "significant at 95%" if d.significant else "not significant at 95%"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 def best_points(sweep: Sweep, metrics: tuple[str, ...] = BEST_METRICS) -> dict[str, Best]:
-    """The best finished point per metric (min for losses/KL, max for agreement/throughput); first point on ties."""
+    """The best finished configuration per metric (min for losses/KL, max for agreement; the mean over its seeds;
+    first on ties), with its comparison against the runner-up. Timing metrics are never ranked."""
     out = {}
+    configs = configurations(sweep)
     for metric in metrics:
-        direction = goal(metric)
-        values = list(iter_values(sweep.finished, metric))
-        if direction is None or not values:
-            continue
-        pick = min if direction == "min" else max
-        point, value = pick(values, key=lambda pv: pv[1])
-        out[metric] = Best(metric, direction, point, value)
+        r = rank(configs, metric, goal(metric))
+        if r is not None:
+            out[metric] = Best(metric, r.goal, r.best.finished[0], r.summary.mean, r)
     return out
 
 
 def best_lines(best: dict[str, Best]) -> list[str]:
+    """One line per metric: the best configuration, then whether it is significantly better than the runner-up."""
     word = {"min": "lowest", "max": "highest"}
-    return [f"{b.metric} ({word[b.goal]} is best): {fmt(b.value)} at {b.point.name}"
-            + (f" ({b.point.label})" if b.point.label != b.point.name else "") for b in best.values()]
+    lines = []
+    for b in best.values():
+        r = b.ranking
+        if r is None or (r.summary.n <= 1 and (r.runner_up_summary is None or r.runner_up_summary.n <= 1)):
+            where = f"{b.point.name}" + (f" ({b.point.label})" if b.point.label != b.point.name else "")
+            line = f"{b.metric} ({word[b.goal]} is best): {fmt(b.value)} at {where}"
+            if r is not None and r.runner_up is not None:
+                line += " - one run each: not tested against the runner-up (sweep trainer.seed for intervals)"
+            lines.append(line)
+            continue
+        line = f"{b.metric} ({word[b.goal]} is best): {summary_text(r.summary, with_n=True)} at {r.best.label}"
+        if r.runner_up is not None:
+            d = r.difference
+            if r.significant is True:
+                judged = "significantly better than"
+            elif r.significant is False:
+                judged = "NOT significantly better than"
+            else:
+                judged = "not tested against"
+            line += (f" - {judged} the runner-up {r.runner_up.label} ({summary_text(r.runner_up_summary)}):"
+                     f" difference {difference_text(d)}")
+        lines.append(line)
+    return lines
 
 
 def swept_text(point: Point, key: str) -> str:
@@ -126,14 +192,15 @@ def points_table(sweep: Sweep, metrics: tuple[str, ...] = TABLE_METRICS) -> Tabl
         text.append([p.name, *[swept_text(p, k) for k in sweep.swept], *[fmt(v) for v in values], fmt(p.steps),
                      _status_text(p, metrics), err if len(err) <= 160 else err[:157] + "..."])
     table = Table(columns, rows, text, title="Points")
-    best = best_points(sweep, metrics)
-    for metric, b in best.items():
-        table.bold.add((sweep.points.index(b.point), columns.index(metric)))
+    if not has_replicates(sweep):  # over replicates the configurations table marks the best, not one lucky seed
+        for metric, b in best_points(sweep, metrics).items():
+            table.bold.add((sweep.points.index(b.point), columns.index(metric)))
     return table
 
 
-def _mean_text(agg) -> str:
-    return fmt(agg.mean) + (f" ({agg.nonfinite} of {agg.n} non-finite)" if agg.nonfinite else "")
+def summarize_arm(points: list[Point], metric: str) -> Summary:
+    """The metric over an arm's finished points (their seeds as keys, as configurations do)."""
+    return Configuration({}, list(points)).summary(metric)
 
 
 def arms_table(sweep: Sweep, metrics: tuple[str, ...] = TABLE_METRICS) -> Optional[Table]:
@@ -163,9 +230,10 @@ def arms_table(sweep: Sweep, metrics: tuple[str, ...] = TABLE_METRICS) -> Option
         if all(m is None for m in means):
             continue
         ref = means[0]
+        sums = [summarize_arm(members[a], metric) for a in arms]
         cells = []
-        for i, (m, g) in enumerate(zip(means, aggs)):
-            cell = _mean_text(g)
+        for i, (m, g) in enumerate(zip(means, sums)):
+            cell = summary_text(g)
             if i > 0 and m is not None and ref not in (None, 0) and math.isfinite(m) and math.isfinite(ref):
                 cell += f" ({100.0 * (m - ref) / abs(ref):+.1f}%)"
             cells.append(cell)
@@ -175,9 +243,10 @@ def arms_table(sweep: Sweep, metrics: tuple[str, ...] = TABLE_METRICS) -> Option
             pick = min if direction == "min" else max
             bold.add((len(rows), 1 + pick(present, key=lambda im: im[1])[0]))
         rows.append([metric, *means])
-        text.append([metric, *cells])
+        text.append([metric_label(metric), *cells])
     n = max(len(m) for m in members.values())
-    title = "Arms" + (" (metrics: mean over each arm's finished points)" if n > 1 else "")
+    title = "Arms" + (" (metrics: mean ± std over each arm's finished points [95% Student-t interval])"
+                      if n > 1 else "")
     return Table(columns, rows, text, bold, title=title)
 
 
@@ -187,7 +256,7 @@ def to_markdown(table: Table) -> str:
         t = t.replace("|", "\\|").replace("\n", " ")
         return f"**{t}**" if bold and t not in ("", "—") else t
 
-    lines = ["| " + " | ".join(c.replace("|", "\\|") for c in table.columns) + " |",
+    lines = ["| " + " | ".join(metric_label(c).replace("|", "\\|") for c in table.columns) + " |",
              "| " + " | ".join("---" for _ in table.columns) + " |"]
     for i, row in enumerate(table.text):
         lines.append("| " + " | ".join(cell(t, (i, j) in table.bold) for j, t in enumerate(row)) + " |")
@@ -195,7 +264,7 @@ def to_markdown(table: Table) -> str:
 
 
 def to_html(table: Table, css_class: str = "kdexp") -> str:
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in table.columns)
+    head = "".join(f"<th>{html.escape(metric_label(c))}</th>" for c in table.columns)
     body = []
     for i, row in enumerate(table.text):
         cells = []
@@ -214,4 +283,5 @@ def summary_line(sweep: Sweep) -> str:
 
 
 __all__ = ["TABLE_METRICS", "GOALS", "BEST_METRICS", "Table", "Best", "goal", "fmt", "best_points", "best_lines",
-           "points_table", "arms_table", "to_markdown", "to_html", "summary_line", "swept_text"]
+           "points_table", "arms_table", "to_markdown", "to_html",
+           "summary_line", "swept_text", "summary_text", "difference_text", "verdict"]

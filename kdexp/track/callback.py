@@ -8,6 +8,10 @@
   - on_multirun_end (the submitting process): the final sweep.json, a summary line, and exit status 1 when a point
     failed or diverged (``fail_exit``).
 
+With ``report`` (the default) the sweep's live dashboard, <sweep>/report/index.html, is regenerated when the sweep
+starts, when each point starts and ends (rank 0 of the job) and, final and without its refresh tag, when the multirun ends
+(kdexp.report.live; a report error is one line on stderr and never fails a point or the sweep).
+
 A point that raised is "diverged" when its summary.json says so (kdexp.train.point writes it when a non-finite loss
 or gradient norm stopped the run), else "failed". How Hydra handles a failing job, and why this acts in on_job_end:
 kdexp.track.hydra_adapter.
@@ -40,9 +44,20 @@ class SweepCallback(Callback):
     written).
     """
 
-    def __init__(self, keep_going: bool = True, fail_exit: bool = True) -> None:
+    def __init__(self, keep_going: bool = True, fail_exit: bool = True, report: bool = True) -> None:
         self.keep_going = keep_going
         self.fail_exit = fail_exit
+        self.report = report
+
+    def _refresh_report(self, sweep_dir: Path, live: Optional[bool] = None) -> None:
+        if not self.report:
+            return
+        try:
+            from kdexp.report.live import refresh_quietly
+        except Exception as exc:  # noqa: BLE001 - e.g. matplotlib missing on a node: the sweep still runs
+            print(f"[sweep] report not updated ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+            return
+        refresh_quietly(sweep_dir, live=live)
 
     # submitting process -------------------------------------------------------------------------------------------
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -61,11 +76,16 @@ class SweepCallback(Callback):
         n = f"{len(planned)} points" if planned is not None else "an unknown number of points"
         print(f"[sweep] {n} -> {sweep_dir}\n[sweep] report: {report_command(sweep_dir)}"
               f" (progress in {sweep_dir / records.SWEEP})", flush=True)
+        if planned is not None:
+            self._refresh_report(sweep_dir)
+            if self.report:
+                print(f"[sweep] live dashboard: {sweep_dir / 'report' / 'index.html'}", flush=True)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         if global_rank() != 0:
             return
         sweep = rebuild_sweep(hydra_sweep_dir(config.hydra))
+        self._refresh_report(hydra_sweep_dir(config.hydra), live=False)
         print("\n".join(end_lines(sweep)), flush=True)
         if self.fail_exit and any(sweep["counts"][s] for s in records.ENDED_BADLY):
             raise SystemExit(1)  # not an Exception: Hydra's callback wrapper would turn that into a warning
@@ -83,6 +103,7 @@ class SweepCallback(Callback):
         record_point(run_dir, "running", metrics={}, attempt=attempt, started=records.now(),
                      host=socket.gethostname(), slurm_job_id=slurm_job_id())
         rebuild_sweep(hydra_sweep_dir(config.hydra))
+        self._refresh_report(hydra_sweep_dir(config.hydra))  # the dashboard shows this point running
 
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         if not is_multirun(config.hydra):
@@ -115,4 +136,5 @@ class SweepCallback(Callback):
             point = record_point(run_dir, status, metrics=metrics, ended=records.now(),
                                  error=summary.get("error") if status in records.ENDED_BADLY else None)
         print(progress_line(rebuild_sweep(hydra_sweep_dir(config.hydra))), flush=True)
+        self._refresh_report(hydra_sweep_dir(config.hydra))
         return point
