@@ -26,6 +26,10 @@ class ModelConfig:
     # Embedded default only: the tiny teacher is pretrained on the corpus once, then cached.
     teacher_pretrain_steps: int = 300
     teacher_pretrain_lr: float = 3e-3
+    teacher_pretrain_min_lr: float = 3e-4  # cosine floor after the warmup
+    teacher_pretrain_warmup_fraction: float = 0.05  # of the steps, linear (at least one step)
+    teacher_pretrain_micro_batch_size: int = 4  # samples of trainer.seq_length per step and data-parallel rank
+    teacher_pretrain_weight_decay: float = 0.01
 
 
 @dataclass
