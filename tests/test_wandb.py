@@ -16,7 +16,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from kdexp.config import KdexpConfig
-from kdexp.track import wandb_logger
+from kdexp.track import wandb_logger, wandb_read
 from kdexp.track.wandb_logger import WandbLogger, unreachable
 
 
@@ -130,3 +130,73 @@ def test_reachable_server_that_fails_init_falls_back_too(answering_url, tmp_path
     finally:
         logger.finish()
     assert list((run_dir / "wandb").glob("offline-run-*/*.wandb"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# read-back: what the offline run file holds (kdexp.track.wandb_read, wandb's own Record proto) is what was logged
+
+
+def _offline_logger(tmp_path, monkeypatch, *, overrides, tags=("a", "b")):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = OmegaConf.merge(OmegaConf.structured(KdexpConfig),
+                          {"logger": {"wandb": {"mode": "offline", "tags": list(tags)}}})
+    cfg.paths.cache = cfg.paths.index = str(tmp_path / "cache")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(exist_ok=True)
+    logger = WandbLogger(cfg, run_dir, enabled=True, name="point-a", group="grp", job_type="sweep",
+                         overrides=overrides)
+    return cfg, run_dir, logger
+
+
+def test_read_back_of_a_logger_run_with_records_across_blocks(tmp_path, monkeypatch):
+    # an override of 70 KB makes the run record span three 32 KiB blocks (FIRST, MIDDLE, LAST framing)
+    big = "trainer.note=" + "x" * 70_000
+    cfg, run_dir, logger = _offline_logger(tmp_path, monkeypatch, overrides=["balancer.alpha=0.5", big])
+    rows = [{"step": s, "kind": "train", "train/loss": 1.0 / s, "train/kept_mass": 0.9 + s / 1000} for s in (1, 2, 3)]
+    rows.append({"step": 3, "kind": "eval", "val/lm_loss": 2.718281828459045})  # same step: one W&B row
+    try:
+        for row in rows:
+            logger.log(row, row["step"])
+        logger.summary({"val/lm_loss": 2.718281828459045})
+    finally:
+        logger.finish()
+    run = wandb_read.read_run(run_dir)
+    assert run.id == (run_dir / "wandb_id").read_text().strip() and run.exit_code == 0
+    assert (run.name, run.group, run.job_type, run.project, run.tags) == ("point-a", "grp", "sweep", "kdexp",
+                                                                         ["a", "b"])
+    assert run.metrics() == [
+        {"step": 1, "train/loss": 1.0, "train/kept_mass": 0.901},
+        {"step": 2, "train/loss": 0.5, "train/kept_mass": 0.902},
+        {"step": 3, "train/loss": 1 / 3, "train/kept_mass": 0.903, "val/lm_loss": 2.718281828459045}]
+    config = {k: v for k, v in run.config.items() if k != "_wandb"}
+    assert config == {**OmegaConf.to_container(cfg, resolve=True), "overrides": ["balancer.alpha=0.5", big]}
+    assert run.summary["val/lm_loss"] == 2.718281828459045
+    raw = list(wandb_read.record_bytes(run.files[0]))
+    assert max(map(len, raw)) > 2 * wandb_read.BLOCK  # the chain really was exercised
+
+
+def test_read_back_rejects_corruption_and_stops_at_a_cut(tmp_path, monkeypatch):
+    _, run_dir, logger = _offline_logger(tmp_path, monkeypatch, overrides=[])
+    try:
+        for s in range(1, 6):
+            logger.log({"train/loss": float(s)}, s)
+    finally:
+        logger.finish()
+    (path,) = wandb_read.wandb_files(run_dir)
+    data = path.read_bytes()
+    n = len(list(wandb_read.record_bytes(path)))
+    cut = tmp_path / "cut.wandb"
+    cut.write_bytes(data[:len(data) - 5])  # a crash mid-record: the complete records before it are still read
+    assert len(list(wandb_read.record_bytes(cut))) == n - 1
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF
+    bad = tmp_path / "bad.wandb"
+    bad.write_bytes(bytes(flipped))
+    with pytest.raises(wandb_read.WandbFileError, match="corrupt record"):
+        list(wandb_read.record_bytes(bad))
+    (tmp_path / "notwandb.wandb").write_bytes(b"PK\x03\x04" + bytes(20))
+    with pytest.raises(wandb_read.WandbFileError, match="header"):
+        list(wandb_read.record_bytes(tmp_path / "notwandb.wandb"))
+    with pytest.raises(FileNotFoundError, match="no W&B run file"):
+        wandb_read.read_run(tmp_path / "cache")
