@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import http.server
 import logging
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from kdexp.config import KdexpConfig
-from kdexp.track import wandb_logger, wandb_read
+from kdexp.track import records, wandb_logger, wandb_read
 from kdexp.track.wandb_logger import WandbLogger, unreachable
 
 
@@ -200,3 +204,46 @@ def test_read_back_rejects_corruption_and_stops_at_a_cut(tmp_path, monkeypatch):
         list(wandb_read.record_bytes(tmp_path / "notwandb.wandb"))
     with pytest.raises(FileNotFoundError, match="no W&B run file"):
         wandb_read.read_run(tmp_path / "cache")
+
+
+@pytest.mark.slow
+def test_a_sweeps_offline_wandb_runs_hold_what_the_points_logged(tmp_path):
+    """A real 2-point sweep (experiment=smoke, W&B offline, no network): each point's .wandb file, read with
+    wandb's Record proto, holds metrics.jsonl's rows, the resolved config with the overrides, the sweep's group and
+    the point's name by its swept override."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k not in ("WORLD_SIZE", "RANK")}
+    env.update(WANDB_SILENT="true", PYTHONUNBUFFERED="1", WANDB_MODE="offline",
+               PYTHONPATH=os.pathsep.join([str(repo), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    sweep_dir = tmp_path / "sweeps" / "ab"
+    cmd = [sys.executable, "-m", "kdexp.run", "-m", "experiment=smoke", "balancer.alpha=0.5,0.9",
+           "logger.wandb.project=readback", "logger.wandb.tags=[t1]", f"hydra.sweep.dir={sweep_dir}"]
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
+    sweep = records.read_json(sweep_dir / records.SWEEP)
+    points = sorted(sweep["points"], key=lambda p: p["num"])
+    assert len(points) == 2 and [p["status"] for p in points] == ["finished"] * 2
+    for p, alpha in zip(points, ("0.5", "0.9")):
+        run_dir = Path(p["run_dir"])
+        run = wandb_read.read_run(run_dir)
+        assert run.exit_code == 0 and run.project == "readback" and run.tags == ["t1"]
+        assert run.group == "ab" == sweep_dir.name  # the sweep's directory name
+        assert run.name == f"balancer.alpha={alpha}" and f"balancer.alpha={alpha}" in p["overrides"]
+        assert run.job_type == "sweep"
+        # history: metrics.jsonl's rows of one step merged (train and eval rows share a step), step and kind aside
+        logged: dict[int, dict] = {}
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            row = records.loads(line)
+            logged.setdefault(row.pop("step"), {}).update({k: v for k, v in row.items() if k != "kind"})
+        assert [row["step"] for row in run.metrics()] == sorted(logged) == list(range(1, 7))
+        for row in run.metrics():
+            expected = logged[row.pop("step")]
+            assert row.keys() == expected.keys() and "val/kl_to_teacher" in records.loads(
+                (run_dir / records.SUMMARY).read_text())["final"]
+            for key, value in expected.items():
+                assert row[key] == pytest.approx(value, rel=1e-12, abs=0), key
+        # config: the point's composed config (.hydra/config.yaml) resolved, plus Hydra's overrides of the point
+        composed = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), resolve=True)
+        overrides = list(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml"))
+        assert {k: v for k, v in run.config.items() if k != "_wandb"} == {**composed, "overrides": overrides}
+        assert run.config["balancer"]["alpha"] == float(alpha) and run.config["trainer"]["max_steps"] == 6

@@ -39,8 +39,8 @@ def token_stats(logits: torch.Tensor, labels: torch.Tensor, *, ks=KS, p: float =
     out = {
         "nll": -logp.gather(-1, labels[:, None]).squeeze(-1),
         "top1": probs[:, 0],
-        # the fewest tokens whose mass reaches p: entries strictly below p, plus the one that crosses it
-        "nucleus": ((cum < p).sum(dim=-1) + 1).clamp(max=vocab).double(),
+        # loss=top_p's nucleus (kdexp.losses.logits): the sorted prefix where cumsum(p) - p < top_p
+        "nucleus": ((cum - probs) < p).sum(dim=-1).double(),
     }
     for k in ks:
         out[f"kept@{k}"] = cum[:, min(k, vocab) - 1]
