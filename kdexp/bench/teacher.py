@@ -82,6 +82,9 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=64, help="validation sequences to measure (default 64)")
     ap.add_argument("--json", default=None, help="also write the numbers (and the recipe) to this JSON file")
+    ap.add_argument("--curve", type=int, default=0, metavar="N",
+                    help="pretrain the embedded teacher here (no cache) and measure it every N steps on --samples "
+                         "validation sequences, with the CPU seconds spent so far (choosing a recipe)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     if args.samples < 1:
@@ -96,6 +99,8 @@ def main(argv=None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     _quiet_megatron()  # the teacher's pretraining log lines stay, megatron's index chatter goes
     distributed.initialize(tensor_parallel=cfg.parallel.tensor, seed=cfg.trainer.seed)
+    if args.curve:
+        return _curve(cfg, args)
     started = time.perf_counter()
     s = setup(cfg)  # the trainer's own: same data, same teacher cache key
     setup_s = time.perf_counter() - started
@@ -113,6 +118,43 @@ def main(argv=None) -> dict:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
     return result
+
+
+def _curve(cfg, args) -> dict:
+    """Pretrain the embedded teacher of ``cfg`` as get_teacher would (same data, seed and recipe), measuring it every
+    ``args.curve`` steps; prints one line per measurement, CPU seconds (process time) beside wall seconds because a
+    shared machine stretches the latter."""
+    from kdexp.data import prepare
+    from kdexp.train.teacher import pretrain
+
+    st, t = distributed.state(), cfg.trainer
+    # kdexp.train.loop.setup's dataset (its size is part of the teacher's identity)
+    data = prepare(cfg.data, seq_length=t.seq_length, cache_dir=cfg.paths.cache, seed=t.seed,
+                   train_samples=max(t.max_steps, cfg.model.teacher_pretrain_steps) * t.micro_batch_size * st.dp_size,
+                   val_samples=t.eval_iters * t.micro_batch_size * st.dp_size, tokenizer_path=cfg.data.tokenizer)
+    distributed.reseed(t.seed)
+    spec = models.get_spec(cfg.model.teacher, vocab_size=data.vocab_size)
+    model = models.build(spec, params_dtype=models.DTYPES[cfg.model.params_dtype])
+    rows, cpu0, wall0 = [], time.process_time(), time.perf_counter()
+    steps = cfg.model.teacher_pretrain_steps
+
+    def on_step(step, m):
+        if step % args.curve and step != steps:
+            return
+        m.eval()
+        row = {"step": step, "cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - wall0,
+               **measure(m, data.val_ds, samples=args.samples)}
+        rows.append(row)
+        if distributed.is_rank0():
+            print(f"step {step:5d} cpu {row['cpu_s']:7.1f} s wall {row['wall_s']:7.1f} s  lm {row['lm_loss']:.3f}  "
+                  f"top1 {row['top1_prob']:.3f}  nucleus median {row['nucleus_median']:.0f}  "
+                  + " ".join(f"K{k} {row[f'kept@{k}']:.3f}" for k in KS), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=1)
+
+    pretrain(model, data, cfg, on_step=on_step)
+    return rows[-1]
 
 
 if __name__ == "__main__":

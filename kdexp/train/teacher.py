@@ -57,8 +57,11 @@ def _endless(ds, **kwargs):
         yield from batches(ds, **kwargs)
 
 
-def pretrain(model: torch.nn.Module, data, cfg) -> None:
-    """LM-only training of the tiny teacher (AdamW, warmup + cosine, clipping): the stage 'teacher'."""
+def pretrain(model: torch.nn.Module, data, cfg, on_step=None) -> None:
+    """LM-only training of the tiny teacher (AdamW, warmup + cosine, clipping): the stage 'teacher'.
+
+    ``on_step(step, model)`` (1-based step), if given, runs after each update: kdexp.bench.teacher --curve measures
+    the teacher on the way there."""
     st = distributed.state()
     r = recipe(cfg)
     steps, lr = r["steps"], r["lr"]
@@ -78,6 +81,9 @@ def pretrain(model: torch.nn.Module, data, cfg) -> None:
         optim.clip_gradients(model, r["grad_clip"])
         opt.step()
         running += loss.detach()
+        if on_step is not None:
+            on_step(step + 1, model)
+            model.train()
         if (step + 1) % max(1, steps // 10) == 0 or step + 1 == steps:
             n = (step % max(1, steps // 10)) + 1
             if st.rank == 0:
