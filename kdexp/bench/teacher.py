@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
                     help="pretrain the embedded teacher here (no cache) and measure it every N steps on --samples "
                          "validation sequences, with the CPU seconds spent so far (choosing a recipe)")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # options may follow the overrides
     if args.samples < 1:
         ap.error(f"--samples must be >= 1, got {args.samples}")
     with initialize_config_module(config_module="kdexp.conf", version_base="1.3"):
