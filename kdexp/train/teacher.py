@@ -44,8 +44,9 @@ def pretrained_teacher_dir(cfg, data) -> Path:
 def recipe(cfg) -> dict:
     """The model.teacher_pretrain_* settings (the schema holds their defaults): what pretrain() runs with."""
     m = cfg.model
-    return {"steps": int(m.teacher_pretrain_steps), "lr": float(m.teacher_pretrain_lr),
-            "min_lr": float(m.teacher_pretrain_min_lr), "warmup_steps": max(1, int(m.teacher_pretrain_steps * m.teacher_pretrain_warmup_fraction)),
+    steps = int(m.teacher_pretrain_steps)
+    return {"steps": steps, "lr": float(m.teacher_pretrain_lr), "min_lr": float(m.teacher_pretrain_min_lr),
+            "warmup_steps": max(1, int(steps * m.teacher_pretrain_warmup_fraction)),
             "micro_batch_size": int(m.teacher_pretrain_micro_batch_size),
             "weight_decay": float(m.teacher_pretrain_weight_decay), "grad_clip": float(cfg.trainer.grad_clip)}
 
