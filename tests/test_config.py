@@ -229,8 +229,23 @@ def test_tensor_parallel_must_divide_the_vocabulary():
 
 
 def test_tensor_parallel_must_divide_the_world_size(monkeypatch):
+    """The launcher's world size (kdexp.distributed.launch: torchrun's or an srun step's), not one variable."""
+    for var in ("RANK", "WORLD_SIZE", "SUBMITIT_EXECUTOR", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_STEP_ID"):
+        monkeypatch.delenv(var, raising=False)
+    validate(cfg_of("parallel.tensor=2"))  # a lone process (printing or planning a TP=2 run): nothing to check
+    monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(ValueError, match=r"^parallel.tensor=2 is invalid: must divide the world size 3"):
+    with pytest.raises(ValueError, match=r"^parallel.tensor=2 is invalid: must divide the world size 3 \(launched "
+                                         r"by torchrun\)$"):
+        validate(cfg_of("parallel.tensor=2"))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    validate(cfg_of("parallel.tensor=2"))
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    for var, value in (("SLURM_PROCID", "0"), ("SLURM_NTASKS", "3"), ("SLURM_STEP_ID", "0"), ("SLURM_LOCALID", "0"),
+                       ("SLURM_JOB_NODELIST", "node1"), ("SLURM_JOB_ID", "7")):
+        monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=r"must divide the world size 3 \(launched by slurm\)$"):
         validate(cfg_of("parallel.tensor=2"))
 
 

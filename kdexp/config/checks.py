@@ -6,11 +6,12 @@ and vocabulary). A failure is a ``ValueError`` whose one line names the key, the
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Optional
 
-from kdexp.config.rules import choice, fail, integer, number, text, unresolved
+from kdexp.config.rules import unresolved
+from kdexp.distributed import launch
+from kdexp.rules import choice, fail, integer, number, text
 from kdexp.config.sources import check_data, check_model, check_tokenizer, shapes
 from kdexp.losses.options import BalancerOptions, KDLossOptions
 
@@ -48,9 +49,9 @@ def _check_parallel(cfg: Any, sizes: dict, vocab: Optional[int]) -> None:
                 fail("parallel.tensor", tp, f"must divide the {role}'s {n} {what}")
     if vocab is not None and vocab % tp:
         fail("parallel.tensor", tp, f"must divide the vocabulary size {vocab}")
-    world = os.environ.get("WORLD_SIZE")  # torchrun's; under SLURM the process group checks it
-    if world and world.isdigit() and int(world) % tp:
-        fail("parallel.tensor", tp, f"must divide the world size {world} (WORLD_SIZE)")
+    job = launch.launch_env()  # a lone process (e.g. printing or planning a TP=2 run) has no world size to check
+    if job.source != "local" and job.world_size % tp:
+        fail("parallel.tensor", tp, f"must divide the world size {job.world_size} (launched by {job.source})")
 
 
 _WANDB_MODES = ("online", "offline", "disabled", None)

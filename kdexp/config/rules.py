@@ -1,58 +1,13 @@
-"""Generic value rules for config keys: each raises a one-line ``ValueError`` naming the key, the value and what it
-must be (``<key>=<value> is invalid: <allowed>``)."""
+"""The one config rule that needs OmegaConf: a required value left unset or an interpolation that does not resolve.
+The generic value rules (numbers, integers, choices) are kdexp.rules, shared with the torch-free loss options."""
 from __future__ import annotations
 
-import math
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-
-def fail(key: str, value: Any, allowed: str) -> None:
-    raise ValueError(f"{key}={value!r} is invalid: {allowed}")
-
-
-def number(key: str, value: Any, *, gt: Optional[float] = None, ge: Optional[float] = None,
-            lt: Optional[float] = None, le: Optional[float] = None) -> None:
-    """A finite real number (not a bool) within the given bounds."""
-    lo, hi = (gt, "(") if gt is not None else (ge, "["), (lt, ")") if lt is not None else (le, "]")
-    if lo[0] is not None and hi[0] is not None:
-        allowed = f"must be a finite number in {lo[1]}{lo[0]:g}, {hi[0]:g}{hi[1]}"
-    else:
-        bounds = [f"{op} {b:g}" for op, b in ((">", gt), (">=", ge), ("<", lt), ("<=", le)) if b is not None]
-        allowed = "must be a finite number" + (" " + " and ".join(bounds) if bounds else "")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        fail(key, value, allowed)
-    if (gt is not None and not value > gt) or (ge is not None and not value >= ge) or \
-            (lt is not None and not value < lt) or (le is not None and not value <= le):
-        fail(key, value, allowed)
-
-
-def integer(key: str, value: Any, *, ge: Optional[int] = None, lt: Optional[int] = None,
-             none_ok: bool = False) -> None:
-    if value is None and none_ok:
-        return
-    if ge is not None and lt is not None:
-        allowed = f"must be an integer in [{ge}, {lt - 1}]"
-    else:
-        allowed = "must be an integer" + (f" >= {ge}" if ge is not None else "") + (f" < {lt}" if lt is not None else "")
-    allowed += " (or null)" if none_ok else ""
-    if isinstance(value, bool) or not isinstance(value, int) or (ge is not None and value < ge) or \
-            (lt is not None and value >= lt):
-        fail(key, value, allowed)
-
-
-def text(key: str, value: Any, *, none_ok: bool = False) -> None:
-    if value is None and none_ok:
-        return
-    if not isinstance(value, str) or not value.strip():
-        fail(key, value, "must be a non-empty string" + (" (or null)" if none_ok else ""))
-
-
-def choice(key: str, value: Any, choices: tuple) -> None:
-    if value not in choices:
-        fail(key, value, "must be one of " + ", ".join("null" if c is None else str(c) for c in choices))
+from kdexp.rules import fail
 
 
 def unresolved(cfg: Any) -> None:

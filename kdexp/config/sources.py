@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
-from kdexp.config.rules import choice, fail, integer, number
+from kdexp.rules import choice, fail, integer, is_int, number
 
 _DTYPES = ("float32", "bfloat16")
 
@@ -39,7 +39,7 @@ def _hf_config(key: str, path: str) -> dict:
         value = hf.get(field_)
         if value is None and field_ not in _HF_NEEDS:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             fail(key, path, f"its config.json has no {field_!r}" if value is None else
                   f"its config.json has {field_}={value!r} (must be a positive integer)")
     return hf

@@ -222,20 +222,12 @@ def _dist():
 
 
 def _local_rank() -> int:
-    """This process's rank on its node (0 when not distributed)."""
-    dist = _dist()
-    if dist is None:
+    """This process's rank on its node (0 when not distributed): the launcher's answer (kdexp.distributed.launch)."""
+    if _dist() is None:
         return 0
-    try:  # the models helper's DistState knows it best (torchrun, SLURM, submitit)
-        from kdexp.distributed import state
+    from kdexp.distributed import launch
 
-        return int(state().local_rank)
-    except Exception:
-        pass
-    for var in ("LOCAL_RANK", "SLURM_LOCALID"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return dist.get_rank()
+    return launch.local_rank()
 
 
 def is_node_builder() -> bool:

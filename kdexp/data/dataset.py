@@ -32,6 +32,7 @@ from typing import Any, Iterator
 import torch
 
 from kdexp.data import cache as _cache
+from kdexp.rules import is_int
 from kdexp.data.sources import file_id, indexed_sources, stdlib_sources, train_valid_split
 from kdexp.data.tokenizer import Tokenizer
 
@@ -65,7 +66,7 @@ def _check_helpers() -> None:
 def _check_positive(name: str, value: Any, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
 
 

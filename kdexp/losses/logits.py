@@ -43,6 +43,7 @@ from typing import NamedTuple
 import torch
 
 from kdexp.losses._shard import Shard
+from kdexp.rules import is_int
 from kdexp.losses.divergence import bucket_divergence, dense_backward_, dense_forward_
 from kdexp.losses.options import KDLossOptions
 # Top-P without a Top-K bound starts from this many candidates and grows x4 until the nucleus fits.
@@ -77,7 +78,7 @@ class _Cfg:
 
 
 def _check_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise ValueError(f"{name} must be an int, got {value!r}")
 
 

@@ -23,16 +23,10 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
+from kdexp.rules import fail, is_int as _is_int, is_real as _is_real
+
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")  # kdexp.losses.divergence implements them
 NORMALIZATIONS = ("full", "renormalize")
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass
@@ -63,7 +57,7 @@ class KDLossOptions:
         return {k: getattr(self, k) for k in KDLossOptions.names()}
 
     def _fail(self, key: str, allowed: str, prefix: str):
-        raise ValueError(f"{prefix}{key}={getattr(self, key)!r} is invalid: {allowed}")
+        fail(prefix + key, getattr(self, key), allowed)
 
     def check(self, vocab_size: Optional[int] = None, prefix: str = "") -> "KDLossOptions":
         """Raise ValueError naming the first bad option (with `prefix`, e.g. "loss."), its value and the allowed

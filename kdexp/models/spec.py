@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional
 
+from kdexp.rules import is_int
+
 QWEN3_VOCAB = 151936
 
 
@@ -31,7 +33,7 @@ class Qwen3Spec:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                   "head_dim", "max_position_embeddings"):
             v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"model.{f} must be an integer >= 1, got {v!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}")
