@@ -149,6 +149,18 @@ def _step_bench(proc, cwd):
     assert "device=cpu" in proc.stdout
 
 
+def _teacher_bench(proc, cwd):
+    for label in ("val LM loss", "mean top-1 prob", "0.95-nucleus       median", "K=16:", "K=1024:"):
+        assert label in proc.stdout, proc.stdout
+    assert "vocab=2048" in proc.stdout
+
+
+def _teacher_curve(proc, cwd):
+    # experiment=smoke pretrains 30 steps: fewer than 50, so the one measurement is the last step's
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith("step ")]
+    assert line.split()[1] == "30" and "nucleus median" in line and "K1024" in line, line
+
+
 def _make_dry_run(*lines):
     def check(proc, cwd):
         for line in lines:
@@ -264,6 +276,11 @@ COMMANDS: dict[str, How] = {
         check=_loss_bench),
     "python -m kdexp.bench.step": How("appended", "20 steps of the embedded default take minutes",
                                       ("--steps", "2", "--warmup", "1", "experiment=smoke"), check=_step_bench),
+    "python -m kdexp.bench.teacher": How("appended", "pretrains the embedded default's teacher: minutes on 2 cores",
+                                         ("--samples", "2", "experiment=smoke"), check=_teacher_bench),
+    "python -m kdexp.bench.teacher --curve 50 model.teacher_pretrain_lr=3e-3": How(
+        "appended", "300 steps of the embedded teacher take minutes", ("--samples", "2", "experiment=smoke"),
+        check=_teacher_curve),
     "python -m kdexp.bench.gpu": How("verbatim", check=_gpu_check, rc=-1),  # rc -1: 0 on a GPU, 1 without one
     "wandb sync <point>/wandb/offline-run-*": How("not here", "uploads to a W&B server (network and an account)"),
     ".ci/run": How("not here", "CI's entry point: `make test`, i.e. this suite"),

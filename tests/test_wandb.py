@@ -8,15 +8,19 @@ from __future__ import annotations
 
 import http.server
 import logging
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from kdexp.config import KdexpConfig
-from kdexp.track import wandb_logger
+from kdexp.track import records, wandb_logger, wandb_read
 from kdexp.track.wandb_logger import WandbLogger, unreachable
 
 
@@ -130,3 +134,119 @@ def test_reachable_server_that_fails_init_falls_back_too(answering_url, tmp_path
     finally:
         logger.finish()
     assert list((run_dir / "wandb").glob("offline-run-*/*.wandb"))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# read-back: what the offline run file holds (kdexp.track.wandb_read, wandb's own Record proto) is what was logged
+
+
+def _offline_logger(tmp_path, monkeypatch, *, overrides, tags=("a", "b")):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = OmegaConf.merge(OmegaConf.structured(KdexpConfig),
+                          {"logger": {"wandb": {"mode": "offline", "tags": list(tags)}}})
+    cfg.paths.cache = cfg.paths.index = str(tmp_path / "cache")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir(exist_ok=True)
+    logger = WandbLogger(cfg, run_dir, enabled=True, name="point-a", group="grp", job_type="sweep",
+                         overrides=overrides)
+    return cfg, run_dir, logger
+
+
+def test_read_back_of_a_logger_run_with_records_across_blocks(tmp_path, monkeypatch):
+    # an override of 70 KB makes the run record span three 32 KiB blocks (FIRST, MIDDLE, LAST framing)
+    big = "trainer.note=" + "x" * 70_000
+    cfg, run_dir, logger = _offline_logger(tmp_path, monkeypatch, overrides=["balancer.alpha=0.5", big])
+    rows = [{"step": s, "kind": "train", "train/loss": 1.0 / s, "train/kept_mass": 0.9 + s / 1000} for s in (1, 2, 3)]
+    rows.append({"step": 3, "kind": "eval", "val/lm_loss": 2.718281828459045})  # same step: one W&B row
+    try:
+        for row in rows:
+            logger.log(row, row["step"])
+        logger.summary({"val/lm_loss": 2.718281828459045})
+    finally:
+        logger.finish()
+    run = wandb_read.read_run(run_dir)
+    assert run.id == (run_dir / "wandb_id").read_text().strip() and run.exit_code == 0
+    assert (run.name, run.group, run.job_type, run.project, run.tags) == ("point-a", "grp", "sweep", "kdexp",
+                                                                         ["a", "b"])
+    assert run.metrics() == [
+        {"step": 1, "train/loss": 1.0, "train/kept_mass": 0.901},
+        {"step": 2, "train/loss": 0.5, "train/kept_mass": 0.902},
+        {"step": 3, "train/loss": 1 / 3, "train/kept_mass": 0.903, "val/lm_loss": 2.718281828459045}]
+    config = {k: v for k, v in run.config.items() if k != "_wandb"}
+    assert config == {**OmegaConf.to_container(cfg, resolve=True), "overrides": ["balancer.alpha=0.5", big]}
+    assert run.summary["val/lm_loss"] == 2.718281828459045
+    raw = list(wandb_read.record_bytes(run.files[0]))
+    assert max(map(len, raw)) > 2 * wandb_read.BLOCK  # the chain really was exercised
+
+
+def test_read_back_rejects_corruption_and_stops_at_a_cut(tmp_path, monkeypatch):
+    _, run_dir, logger = _offline_logger(tmp_path, monkeypatch, overrides=[])
+    try:
+        for s in range(1, 6):
+            logger.log({"train/loss": float(s)}, s)
+    finally:
+        logger.finish()
+    (path,) = wandb_read.wandb_files(run_dir)
+    data = path.read_bytes()
+    n = len(list(wandb_read.record_bytes(path)))
+    cut = tmp_path / "cut.wandb"
+    cut.write_bytes(data[:len(data) - 5])  # a crash mid-record: the complete records before it are still read
+    assert len(list(wandb_read.record_bytes(cut))) == n - 1
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF
+    bad = tmp_path / "bad.wandb"
+    bad.write_bytes(bytes(flipped))
+    with pytest.raises(wandb_read.WandbFileError, match="corrupt record"):
+        list(wandb_read.record_bytes(bad))
+    (tmp_path / "notwandb.wandb").write_bytes(b"PK\x03\x04" + bytes(20))
+    with pytest.raises(wandb_read.WandbFileError, match="header"):
+        list(wandb_read.record_bytes(tmp_path / "notwandb.wandb"))
+    with pytest.raises(FileNotFoundError, match="no W&B run file"):
+        wandb_read.read_run(tmp_path / "cache")
+
+
+@pytest.mark.slow
+def test_a_sweeps_offline_wandb_runs_hold_what_the_points_logged(tmp_path):
+    """A real 2-point sweep (experiment=smoke, W&B offline, no network): each point's .wandb file, read with
+    wandb's Record proto, holds metrics.jsonl's rows, the resolved config with the overrides, the sweep's group and
+    the point's name by its swept override."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k not in ("WORLD_SIZE", "RANK")}
+    env.update(WANDB_SILENT="true", PYTHONUNBUFFERED="1", WANDB_MODE="offline",
+               PYTHONPATH=os.pathsep.join([str(repo), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    sweep_dir = tmp_path / "sweeps" / "ab"
+    cmd = [sys.executable, "-m", "kdexp.run", "-m", "experiment=smoke", "balancer.alpha=0.5,0.9",
+           "logger.wandb.project=readback", "logger.wandb.tags=[t1]", f"hydra.sweep.dir={sweep_dir}"]
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
+    sweep = records.read_json(sweep_dir / records.SWEEP)
+    points = sorted(sweep["points"], key=lambda p: p["num"])
+    assert len(points) == 2 and [p["status"] for p in points] == ["finished"] * 2
+    for p, alpha in zip(points, ("0.5", "0.9")):
+        run_dir = Path(p["run_dir"])
+        run = wandb_read.read_run(run_dir)
+        assert run.exit_code == 0 and run.project == "readback" and run.tags == ["t1"]
+        assert run.group == "ab" == sweep_dir.name  # the sweep's directory name
+        assert run.name == f"balancer.alpha={alpha}" and f"balancer.alpha={alpha}" in p["overrides"]
+        assert run.job_type == "sweep"
+        # history: metrics.jsonl's rows of one step merged (train and eval rows share a step), step and kind aside
+        logged: dict[int, dict] = {}
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+            row = records.loads(line)
+            logged.setdefault(row.pop("step"), {}).update({k: v for k, v in row.items() if k != "kind"})
+        assert [row["step"] for row in run.metrics()] == sorted(logged) == list(range(1, 7))
+        for row in run.metrics():
+            expected = logged[row.pop("step")]
+            assert row.keys() == expected.keys()
+            for key, value in expected.items():
+                assert row[key] == pytest.approx(value, rel=1e-12, abs=0), key
+        final = records.read_json(run_dir / records.SUMMARY)["final"]
+        assert "val/kl_to_teacher" in final
+        for key, value in final.items():  # the W&B summary holds the run's final metrics
+            assert run.summary[key] == pytest.approx(value, rel=1e-12, abs=0), key
+        # config: the point's composed config (.hydra/config.yaml) resolved, plus Hydra's overrides of the point
+        composed = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), resolve=True)
+        overrides = list(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml"))
+        assert {k: v for k, v in run.config.items() if k != "_wandb"} == {**composed, "overrides": overrides}
+        assert run.config["balancer"]["alpha"] == float(alpha) and run.config["trainer"]["max_steps"] == 6

@@ -88,6 +88,13 @@ def check_model(cfg: Any) -> None:
               f"is required for the real teacher model.teacher={m.teacher!r} (only tiny teachers are pretrained here)")
     integer("model.teacher_pretrain_steps", m.teacher_pretrain_steps, ge=1)
     number("model.teacher_pretrain_lr", m.teacher_pretrain_lr, gt=0)
+    number("model.teacher_pretrain_min_lr", m.teacher_pretrain_min_lr, ge=0)
+    if m.teacher_pretrain_min_lr > m.teacher_pretrain_lr:
+        fail("model.teacher_pretrain_min_lr", m.teacher_pretrain_min_lr,
+             f"must be <= model.teacher_pretrain_lr={m.teacher_pretrain_lr}")
+    number("model.teacher_pretrain_warmup_fraction", m.teacher_pretrain_warmup_fraction, ge=0, lt=1)
+    integer("model.teacher_pretrain_micro_batch_size", m.teacher_pretrain_micro_batch_size, ge=1)
+    number("model.teacher_pretrain_weight_decay", m.teacher_pretrain_weight_decay, ge=0)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -35,35 +35,56 @@ def pretrained_teacher_dir(cfg, data) -> Path:
     key = {
         "spec": dataclasses.asdict(models.get_spec(cfg.model.teacher, vocab_size=data.vocab_size)),
         "data": data.fingerprint, "train_samples": len(data.train_ds),  # GPTDataset's shuffle depends on its size
-        "steps": cfg.model.teacher_pretrain_steps, "lr": cfg.model.teacher_pretrain_lr,
-        "seq_length": cfg.trainer.seq_length, "micro_batch_size": cfg.trainer.micro_batch_size,
+        "recipe": recipe(cfg), "seq_length": cfg.trainer.seq_length,
         "dp_size": st.dp_size, "seed": cfg.trainer.seed, "params_dtype": cfg.model.params_dtype,
     }
     return data_cache.cached_path("teacher", key, root=cfg.paths.cache)
 
 
-def pretrain(model: torch.nn.Module, data, cfg) -> None:
-    """LM-only training of the tiny teacher (AdamW, warmup + cosine, clipping): the stage 'teacher'."""
+def recipe(cfg) -> dict:
+    """The model.teacher_pretrain_* settings (the schema holds their defaults): what pretrain() runs with."""
+    m = cfg.model
+    steps = int(m.teacher_pretrain_steps)
+    return {"steps": steps, "lr": float(m.teacher_pretrain_lr), "min_lr": float(m.teacher_pretrain_min_lr),
+            "warmup_steps": max(1, int(steps * m.teacher_pretrain_warmup_fraction)),
+            "micro_batch_size": int(m.teacher_pretrain_micro_batch_size),
+            "weight_decay": float(m.teacher_pretrain_weight_decay), "grad_clip": float(cfg.trainer.grad_clip)}
+
+
+def _endless(ds, **kwargs):
+    """batches() over and over: the teacher may see more samples than the distillation asked the dataset for (the
+    next pass reads the same shuffled order again, so the stream is a function of the dataset alone)."""
+    while True:
+        yield from batches(ds, **kwargs)
+
+
+def pretrain(model: torch.nn.Module, data, cfg, on_step=None) -> None:
+    """LM-only training of the tiny teacher (AdamW, warmup + cosine, clipping): the stage 'teacher'.
+
+    ``on_step(step, model)`` (1-based step), if given, runs after each update: kdexp.bench.teacher --curve measures
+    the teacher on the way there."""
     st = distributed.state()
-    t = cfg.trainer
-    steps = cfg.model.teacher_pretrain_steps
-    lr = cfg.model.teacher_pretrain_lr
-    opt = optim.make_optimizer(model, lr=lr, weight_decay=t.weight_decay)
-    stream = batches(data.train_ds, micro_batch_size=t.micro_batch_size, dp_rank=st.dp_rank, dp_size=st.dp_size)
+    r = recipe(cfg)
+    steps, lr = r["steps"], r["lr"]
+    opt = optim.make_optimizer(model, lr=lr, weight_decay=r["weight_decay"])
+    stream = _endless(data.train_ds, micro_batch_size=r["micro_batch_size"], dp_rank=st.dp_rank, dp_size=st.dp_size)
     model.train()
     started = time.perf_counter()
     running = torch.zeros((), device=st.device)
     for step in range(steps):
         batch = objectives.batch_to(next(stream), st.device)
-        optim.set_lr(opt, optim.lr_at(step, lr=lr, min_lr=lr / 10, warmup=max(1, steps // 20), total=steps))
+        optim.set_lr(opt, optim.lr_at(step, lr=lr, min_lr=r["min_lr"], warmup=r["warmup_steps"], total=steps))
         loss = objectives.lm_loss(models.vocab_parallel_logits(model, batch["tokens"]), batch["labels"],
                                   batch["loss_mask"])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         optim.average_gradients(model)
-        optim.clip_gradients(model, t.grad_clip)
+        optim.clip_gradients(model, r["grad_clip"])
         opt.step()
         running += loss.detach()
+        if on_step is not None:
+            on_step(step + 1, model)
+            model.train()
         if (step + 1) % max(1, steps // 10) == 0 or step + 1 == steps:
             n = (step % max(1, steps // 10)) + 1
             if st.rank == 0:
