@@ -291,7 +291,11 @@ def test_options_are_the_keywords_of_logits_kd_loss():
     assert params == {f: getattr(KDLossOptions(), f) for f in KDLossOptions.names()}
     from dataclasses import fields
 
-    assert [f.name for f in fields(LossConfig)] == [*KDLossOptions.names(), "name"]
+    from kdexp.losses.options import SampledKDOptions
+
+    # the loss group = the loss keywords + the sampled-KD keys + the hidden-state pairs + the option's name, nothing else
+    assert sorted(f.name for f in fields(LossConfig)) == sorted(
+        [*KDLossOptions.names(), *(f.name for f in fields(SampledKDOptions)), "intermediate", "name"])
     assert KDLossOptions.from_config(LossConfig()).kwargs() == {**params, "top_k": 1024}  # the run's default: Top-K
 
 
