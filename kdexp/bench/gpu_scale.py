@@ -71,7 +71,7 @@ def run(teacher: str = "1.7b", student: str = "0.6b", *, steps: int = 50, lm_ste
     from kdexp.data import batches
     from kdexp.plan import GiB, make_plan
     from kdexp.train import loop, objectives, optim
-    from kdexp.train.step import NonFiniteGuard, apply_update, train_step
+    from kdexp.train.step import NonFiniteGuard, apply_update, reduce_and_clip, train_step
 
     cfg, notes = compose_cfg(teacher, student, seq=seq, micro=micro, steps=max(steps, 1), recompute=recompute,
                              extra=extra)
@@ -91,16 +91,15 @@ def run(teacher: str = "1.7b", student: str = "0.6b", *, steps: int = 50, lm_ste
                              dp_size=st.dp_size)
             return objectives.batch_to(next(stream), st.device)
 
-    def update(step, loss):  # kdexp.train.loop.distill after the backward pass
-        optim.average_gradients(s.student)
-        norm = optim.clip_gradients(s.student, t.grad_clip)
+    def update(step, loss):  # kdexp.train.loop.distill after the backward pass (either optimizer path)
+        norm = reduce_and_clip(s.student, s.optimizer, t.grad_clip)
         apply_update(s.optimizer, guard.check_step(step, loss, norm))
         return loss
 
     def kd_step(step):
         s.optimizer.zero_grad(set_to_none=True)
-        return update(step, train_step(s.student, s.teacher, batch(), s.balancer, cfg,
-                                       s.balancer.needs_lm_loss)["train/loss"])
+        return update(step, train_step(s.student, s.teacher, batch(), s.balancer, cfg, s.balancer.needs_lm_loss,
+                                       step=step, micro_context=getattr(s.optimizer, "micro_context", None))["train/loss"])
 
     def lm_step(step):
         s.optimizer.zero_grad(set_to_none=True)
@@ -133,9 +132,8 @@ def run(teacher: str = "1.7b", student: str = "0.6b", *, steps: int = 50, lm_ste
     lm_s, lm_peak, _ = phase(lm_step, lm_steps)
     kd_tps, lm_tps = tokens / kd_s, tokens / lm_s
     # What the loop really keeps, beside the plan's assumption for trainer.precision (fp32 grads and master state)
-    grads = {str(g.dtype) for p in s.student.parameters() for g in [getattr(p, "main_grad", None)
-                                                                    if getattr(p, "main_grad", None) is not None
-                                                                    else p.grad] if g is not None}
+    grads = {str(g.dtype) for p in optim.grad_params(s.student, s.optimizer)
+             for g in [p.main_grad if getattr(p, "main_grad", None) is not None else p.grad] if g is not None}
     state = getattr(s.optimizer, "state", {})
     opt_dtypes = {str(v.dtype) for d in (state.values() if hasattr(state, "values") else ()) for v in d.values()
                   if torch.is_tensor(v) and v.dim() > 0}
