@@ -14,9 +14,8 @@ from __future__ import annotations
 import os
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 from kdexp.report.document import REFRESH_S, ReportFiles, write_report
 from kdexp.report.rundirs import load_sweep
@@ -26,32 +25,13 @@ LOCK = ".report.lock"
 WATCHED = (records.METRICS, records.SUMMARY, records.POINT, records.SWEEP, records.ERROR_LOG)
 
 
-@contextmanager
-def _locked(out_dir: Path) -> Iterator[None]:
-    """One report writer at a time (submitit workers end at the same moment); no lock where flock is missing."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-
-        f = open(out_dir / LOCK, "a")
-    except (ImportError, OSError):
-        yield
-        return
-    with f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError:
-            pass
-        yield
-
-
 def refresh(sweep_dir: str | Path, out_dir: Optional[str | Path] = None,
             live: Optional[bool] = None) -> Optional[ReportFiles]:
     """Regenerate the report of ``sweep_dir`` now (default out: SWEEP_DIR/report). ``live``: None = refresh tag
     while a point is pending or running; False = the final page. None when the sweep has no point yet."""
     sweep_dir = Path(sweep_dir)
     out = Path(out_dir) if out_dir is not None else sweep_dir / "report"
-    with _locked(out):
+    with records.locked(out / LOCK):  # one report writer at a time (submitit workers end together)
         sweep = load_sweep(sweep_dir)  # under the lock: the last writer reads the newest state
         if not sweep.points:
             return None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import traceback
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
@@ -100,25 +99,6 @@ def _walk_points(sweep_dir: Path) -> Iterator[dict]:
         dirs[:] = [d for d in dirs if d not in records.RUN_INTERNALS]
 
 
-@contextmanager
-def _locked(sweep_dir: Path) -> Iterator[None]:
-    """Serialize sweep.json rebuilds across the jobs of a sweep (each writes its point.json before taking the lock,
-    so the last one to take it sees every point). Falls back to no lock where flock is not supported."""
-    try:
-        import fcntl
-
-        f = open(sweep_dir / ".sweep.lock", "a")
-    except (ImportError, OSError):
-        yield
-        return
-    with f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError:
-            pass
-        yield
-
-
 def _key(p: Mapping[str, Any]) -> tuple:
     return ("num", p["num"]) if p.get("num") is not None else ("dir", p.get("run_dir"))
 
@@ -127,7 +107,8 @@ def rebuild_sweep(sweep_dir: str | Path) -> dict:
     """sweep.json from the entries already there (the plan: pending points) and every point.json below sweep_dir."""
     sweep_dir = Path(sweep_dir).resolve()
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    with _locked(sweep_dir):
+    # each job writes its point.json before taking the lock, so the last one to take it sees every point
+    with records.locked(sweep_dir / ".sweep.lock"):
         old = records.read_json(sweep_dir / records.SWEEP) or {}
         by_key: dict = {_key(p): p for p in old.get("points", [])}
         for p in _walk_points(sweep_dir):

@@ -16,8 +16,9 @@ import os
 import socket
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 # file names inside a run (or sweep point) directory, and the sweep directory's index
 SUMMARY = "summary.json"  # written last and atomically: the run ended (status finished, reused or diverged)
@@ -191,3 +192,23 @@ def write_error(run_dir: str | os.PathLike, what: str, error_text: str, replace:
     with open(run_dir / RUN_LOG, "a") as f:
         f.write(head + error_text + ("" if error_text.endswith("\n") else "\n"))
     return True
+
+
+@contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock on the file `path` (created) while the block runs: the sweep's writers (sweep.json
+    rebuilds, the live report) take turns. No lock where flock is missing (a non-POSIX or network filesystem)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+
+        f = open(path, "a")
+    except (ImportError, OSError):
+        yield
+        return
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
