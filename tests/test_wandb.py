@@ -217,7 +217,10 @@ def test_a_sweeps_offline_wandb_runs_hold_what_the_points_logged(tmp_path):
                PYTHONPATH=os.pathsep.join([str(repo), *filter(None, [os.environ.get("PYTHONPATH")])]))
     sweep_dir = tmp_path / "sweeps" / "ab"
     cmd = [sys.executable, "-m", "kdexp.run", "-m", "experiment=smoke", "balancer.alpha=0.5,0.9",
-           "logger.wandb.project=readback", "logger.wandb.tags=[t1]", f"hydra.sweep.dir={sweep_dir}"]
+           "logger.wandb.project=readback", "logger.wandb.tags=[t1]", f"hydra.sweep.dir={sweep_dir}",
+           # W&B settings are not part of a run's identity: without this a point another test of the session
+           # finished with the same config is reused, and a reused point logs nothing to W&B
+           "trainer.reuse_finished=false"]
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
     sweep = records.read_json(sweep_dir / records.SWEEP)
