@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -85,14 +84,6 @@ def test_a_skipped_update_leaves_weights_and_optimizer_state_untouched():
 
 # ---------------------------------------------------------------------------------------------------------------------
 # end to end
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    e = dict(os.environ)
-    e["KDEXP_CACHE"] = str(tmp_path_factory.mktemp("kdexp_cache"))  # the teacher is trained once for the module
-    e["PYTHONUNBUFFERED"] = "1"
-    e.pop("KDEXP_RUN_STAMP", None)
-    return e
 
 
 def run(args, env, cwd, bad_steps: str = ""):

@@ -12,7 +12,7 @@ import yaml
 
 from kdexp.report import arms_table, configurations_table, differences_table, load_sweep
 from sweeps import REPO
-from test_train import env, kdexp_run  # noqa: F401  (module fixture: a private KDEXP_CACHE)
+from test_train import kdexp_run
 
 ARM_NAMES = ("before", "after", "top_p", "sampled")
 
@@ -25,7 +25,7 @@ def test_preset_sweeps_three_seeds():
 pytestmark = pytest.mark.slow
 
 
-def test_before_after_arms_run_and_report(env, tmp_path):  # noqa: F811
+def test_before_after_arms_run_and_report(env, tmp_path):
     sweep_dir = tmp_path / "before_after"
     # 2 seeds instead of the preset's 3 (a command-line sweep of trainer.seed replaces it), on local_cpu
     proc = kdexp_run(["experiment=[qwen3_before_after,smoke]", "trainer.max_steps=2", "trainer.eval_interval=2",

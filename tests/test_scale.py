@@ -15,16 +15,6 @@ BASE = ["experiment=smoke", "logger=none", "trainer.max_steps=4", "trainer.eval_
         "trainer.checkpoint_interval=2"]
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    import os
-
-    e = dict(os.environ)
-    e["KDEXP_CACHE"] = str(tmp_path_factory.mktemp("kdexp_cache"))
-    e["PYTHONUNBUFFERED"] = "1"
-    e.pop("KDEXP_RUN_STAMP", None)
-    return e
-
 
 @pytest.fixture(scope="module")
 def reference(env, tmp_path_factory):

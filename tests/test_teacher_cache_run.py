@@ -3,7 +3,6 @@ trains from it to the online run's numbers; bench.step from the cache."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,14 +41,6 @@ def test_served_options_validate():
                     "teacher.temperatures=[1.0,2.0]", "loss.temperature=2.0", "teacher.dtype=bfloat16"))
     validate(cfg_of("loss=dense"))  # the online teacher serves everything
 
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    e = dict(os.environ)
-    e["KDEXP_CACHE"] = str(tmp_path_factory.mktemp("kdexp_cache"))
-    e["PYTHONUNBUFFERED"] = "1"
-    e.pop("KDEXP_RUN_STAMP", None)
-    return e
 
 
 def _run(args, env, cwd, module="kdexp.run"):

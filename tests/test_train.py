@@ -3,7 +3,6 @@ sweep re-runs that retrain nothing."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -15,15 +14,6 @@ pytestmark = pytest.mark.slow
 
 SMOKE = ["experiment=smoke"]
 
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    e = dict(os.environ)
-    e["KDEXP_CACHE"] = str(tmp_path_factory.mktemp("kdexp_cache"))  # tokenizer, dataset, teacher: shared here
-    e["WANDB_MODE"] = "offline"
-    e["PYTHONUNBUFFERED"] = "1"
-    e.pop("KDEXP_RUN_STAMP", None)
-    return e
 
 
 FAULT_RUN = str(Path(__file__).with_name("_fault_run.py"))  # kdexp.run that SIGKILLs itself after a given step
