@@ -289,6 +289,12 @@ def test_options_are_the_keywords_of_logits_kd_loss():
     params = {p.name: p.default for p in inspect.signature(logits_kd_loss).parameters.values()
               if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in RUNTIME_KEYWORDS}
     assert params == {f: getattr(KDLossOptions(), f) for f in KDLossOptions.names()}
+    from kdexp.losses import cached_kd_loss
+
+    # the cached-teacher twin takes the same option keywords with the same defaults (kdexp.losses.cached)
+    cached = {p.name: p.default for p in inspect.signature(cached_kd_loss).parameters.values()
+              if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in RUNTIME_KEYWORDS}
+    assert cached == params
     from dataclasses import fields
 
     from kdexp.losses.options import SampledKDOptions
