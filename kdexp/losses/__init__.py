@@ -18,7 +18,9 @@ call the same functions:
   `IntermediatePair` (one loss.intermediate entry) and `check_intermediate` (its rules).
 - Sampled KD (RS-KD): `sample_teacher(teacher_logits, samples=..., proposal_temperature=..., seed=...)` ->
   `TokenSamples(ids, counts, weights, teacher_logprobs)`, `sampled_kd_loss(student_logits, ids, weights, ...)`,
-  `SampledKDOptions` (loss.samples, loss.proposal_temperature and their rules).
+  `SampledKDOptions` (loss.samples, loss.proposal_temperature and their rules); `draw_teacher(...)` ->
+  `TeacherDraws` (the draws with what weighs them at any temperature: the teacher cache's "sampled" record) and
+  `weigh(draws, temperature=...)` -> `TokenSamples`, the two halves of `sample_teacher`.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ _EXPORTS = {
     "IntermediateLoss": "intermediate", "cosine_hidden_loss": "intermediate", "mse_hidden_loss": "intermediate",
     "scale_to_logits_loss": "intermediate", "IntermediatePair": "options", "check_intermediate": "options",
     "SampledKDOptions": "options", "sample_teacher": "sampled", "sampled_kd_loss": "sampled", "TokenSamples": "sampled",
-    "importance_weights": "sampled",
+    "importance_weights": "sampled", "draw_teacher": "sampled", "weigh": "sampled", "TeacherDraws": "sampled",
 }
 __all__ = list(_EXPORTS)
 

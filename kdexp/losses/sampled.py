@@ -11,9 +11,14 @@ proposal the self-normalised weights are consistent, with a bias of order 1/samp
 (loss.normalize_weights=false) keeps the plain importance weights (c_i / samples) p_i / q_i instead, unbiased for any
 proposal at a higher variance.
 
-Two entry points, so that an offline cache can store the draws and feed them back:
+Entry points, so that an offline cache can store the draws and feed them back:
   - `sample_teacher(teacher_logits, samples=..., proposal_temperature=..., temperature=..., seed=...)` ->
     `TokenSamples(ids, counts, weights, teacher_logprobs)`, each [..., samples] (unused slots: count 0, weight 0);
+    it is `weigh(draw_teacher(...))`:
+  - `draw_teacher(teacher_logits, samples=..., proposal_temperature=..., temperatures=[...], seed=...)` ->
+    `TeacherDraws(ids, counts, centred, log_zp, log_zq)`: the draws and what weighs them at any of `temperatures`
+    (the teacher cache's "sampled" record, kdexp.teacher.format), and `weigh(draws, temperature=..., ...)` ->
+    `TokenSamples`, the one place that turns them into importance weights and log p;
   - `sampled_kd_loss(student_logits, ids, weights, teacher_logprobs=None, temperature=...)` -> per-token loss.
 The loss VALUE is sum_i w_i (log p_i - log s_i): an estimate of the full-vocabulary forward KL(p || s) (unbiased at
 proposal_temperature == temperature); without teacher log-probs it is the sparse cross-entropy (the KL plus the
@@ -71,21 +76,32 @@ def _compact(ids: torch.Tensor):
     return unique, counts
 
 
-@torch.no_grad()
-def sample_teacher(teacher_logits: torch.Tensor, *, samples: int, proposal_temperature: float = 1.0,
-                   temperature: float = 1.0, seed: int = 0, normalize: bool = True,
-                   tp_group=None) -> TokenSamples:
-    """Draw `samples` ids per token from softmax(teacher_logits / proposal_temperature) over the global vocabulary
-    (this rank holds the contiguous shard [.., V/tp]); deterministic in `seed`, the same on every TP rank.
+class TeacherDraws(NamedTuple):
+    """What `draw_teacher` leaves to weigh, per token: everything `weigh` needs for any loss temperature, and what an
+    offline cache stores ("sampled" records, kdexp.teacher.format). [..., samples] each unless noted."""
 
-    normalize=True: weights c p / q normalised to sum 1 (the paper's sparse target; exactly unbiased when the two
-    temperatures are equal, O(1/samples) bias otherwise). normalize=False: weights (c / samples) p / q, the plain
-    importance-sampling estimate, unbiased for any proposal (E[w] = p) at a higher variance; they need not sum to 1."""
+    ids: torch.Tensor  # int64 unique global ids (sorted), then unused slots (they repeat the first id)
+    counts: torch.Tensor  # int64 draws per id; 0 = unused slot
+    centred: torch.Tensor  # the teacher's logit of each id minus its row max (float64; 0 in unused slots)
+    log_zp: torch.Tensor  # [..., n] log sum_v exp(centred_v / T) over the vocabulary for each temperature T asked for
+    log_zq: torch.Tensor  # [...] the proposal's: log sum_v exp(centred_v / proposal_temperature)
+
+
+@torch.no_grad()
+def draw_teacher(teacher_logits: torch.Tensor, *, samples: int, proposal_temperature: float = 1.0,
+                 temperatures=(1.0,), seed: int = 0, tp_group=None) -> TeacherDraws:
+    """Draw `samples` ids per token from softmax(teacher_logits / proposal_temperature) over the global vocabulary
+    (this rank holds the contiguous shard [.., V/tp]); deterministic in `seed`, the same on every TP rank. The draws
+    do not depend on `temperatures`: those only add the log-normalisers of p = softmax(teacher / T) (one more pass
+    over the vocabulary per T that differs from the proposal's)."""
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"samples must be an integer >= 1, got {samples!r}")
-    for name, v in (("proposal_temperature", proposal_temperature), ("temperature", temperature)):
+    temps = [float(t) for t in temperatures]
+    for name, v in (("proposal_temperature", proposal_temperature), *(("temperature", t) for t in temps)):
         if not v > 0:
             raise ValueError(f"{name} must be > 0, got {v!r}")
+    if not temps:
+        raise ValueError("temperatures must list at least one temperature")
     lead = teacher_logits.shape[:-1]
     t_all = teacher_logits.reshape(-1, teacher_logits.shape[-1])
     n, vl = t_all.shape
@@ -96,12 +112,11 @@ def sample_teacher(teacher_logits: torch.Tensor, *, samples: int, proposal_tempe
     ids_all = torch.empty(n, samples, dtype=torch.long, device=device)
     logit_all = torch.empty(n, samples, dtype=torch.float64, device=device)
     log_zq_all = torch.empty(n, dtype=torch.float64, device=device)
-    log_zp_all = torch.empty(n, dtype=torch.float64, device=device)
+    log_zp_all = torch.empty(n, len(temps), dtype=torch.float64, device=device)
     rows = _rows(vl * 8 * 3, n)
     # The proposal's terms exp((t - m) / T_q) in float32 (float64 for float64 logits): elementwise, so identical on
     # every TP size; their running sum in float64, so that tail probabilities far below float32's epsilon stay exact.
     wdtype = torch.float64 if teacher_logits.dtype == torch.float64 else torch.float32
-    same_t = proposal_temperature == temperature
     for lo in range(0, n, rows):
         t = t_all[lo:lo + rows].to(wdtype)
         m = shard.row_max(t, wdtype)[:, None]  # global max: the same on every rank
@@ -128,22 +143,49 @@ def sample_teacher(teacher_logits: torch.Tensor, *, samples: int, proposal_tempe
         ids_all[lo:lo + rows] = packed[..., 0].long()
         logit_all[lo:lo + rows] = packed[..., 1] - m.double()
         log_zq_all[lo:lo + rows] = z.squeeze(1).log()
-        # p's normaliser: q's when the temperatures agree (no second pass over the vocabulary)
-        log_zp_all[lo:lo + rows] = log_zq_all[lo:lo + rows] if same_t else shard.logsumexp_(
-            torch.logsumexp((t - m).double() / temperature, dim=1))
+        for j, temp in enumerate(temps):  # p's normaliser: q's when the temperatures agree (no second pass)
+            log_zp_all[lo:lo + rows, j] = log_zq_all[lo:lo + rows] if temp == proposal_temperature else \
+                shard.logsumexp_(torch.logsumexp((t - m).double() / temp, dim=1))
     ids, counts = _compact(ids_all)
-    # The centred teacher logit of each unique id (its first draw's), then log p and log q from it.
+    # The centred teacher logit of each unique id (its first draw's).
     first_pos = torch.cat([torch.zeros_like(counts[:, :1]), counts.cumsum(1)[:, :-1]], 1).clamp_(max=samples - 1)
     centred = logit_all.gather(1, first_pos)
-    log_p = centred / temperature - log_zp_all[:, None]
-    log_q = centred / proposal_temperature - log_zq_all[:, None]
-    used = counts > 0
-    # p == q exactly when the temperatures agree (the two log-normalisers differ in the last bits: ignore them).
-    w = importance_weights(counts, None if proposal_temperature == temperature else log_p - log_q, normalize=normalize)
-    dtype = torch.float64 if teacher_logits.dtype == torch.float64 else torch.float32
+    centred = torch.where(counts > 0, centred, torch.zeros_like(centred))
     shape = (*lead, samples)
-    return TokenSamples(ids.reshape(shape), counts.reshape(shape), w.to(dtype).reshape(shape),
-                        torch.where(used, log_p, torch.zeros_like(log_p)).to(dtype).reshape(shape))
+    return TeacherDraws(ids.reshape(shape), counts.reshape(shape), centred.reshape(shape),
+                        log_zp_all.reshape(*lead, len(temps)), log_zq_all.reshape(lead))
+
+
+def weigh(draws: TeacherDraws, *, temperature: float, proposal_temperature: float, normalize: bool = True,
+          temperature_index: int = 0, dtype: torch.dtype = torch.float32) -> TokenSamples:
+    """The sparse target of `draws` at the loss `temperature` (its log-normaliser is
+    draws.log_zp[..., temperature_index]): log p and log q of each drawn id from its centred logit, then
+    `importance_weights`. The draws' `proposal_temperature` must be the one they were drawn at."""
+    centred = draws.centred.double()
+    log_p = centred / temperature - draws.log_zp[..., temperature_index, None].double()
+    log_q = centred / proposal_temperature - draws.log_zq[..., None].double()
+    used = draws.counts > 0
+    # p == q exactly when the temperatures agree (the two log-normalisers differ in the last bits: ignore them).
+    w = importance_weights(draws.counts, None if proposal_temperature == temperature else log_p - log_q,
+                           normalize=normalize)
+    return TokenSamples(draws.ids, draws.counts, w.to(dtype), torch.where(used, log_p, torch.zeros_like(log_p)).to(dtype))
+
+
+@torch.no_grad()
+def sample_teacher(teacher_logits: torch.Tensor, *, samples: int, proposal_temperature: float = 1.0,
+                   temperature: float = 1.0, seed: int = 0, normalize: bool = True,
+                   tp_group=None) -> TokenSamples:
+    """Draw `samples` ids per token from softmax(teacher_logits / proposal_temperature) over the global vocabulary
+    (this rank holds the contiguous shard [.., V/tp]); deterministic in `seed`, the same on every TP rank:
+    `weigh(draw_teacher(...))`.
+
+    normalize=True: weights c p / q normalised to sum 1 (the paper's sparse target; exactly unbiased when the two
+    temperatures are equal, O(1/samples) bias otherwise). normalize=False: weights (c / samples) p / q, the plain
+    importance-sampling estimate, unbiased for any proposal (E[w] = p) at a higher variance; they need not sum to 1."""
+    draws = draw_teacher(teacher_logits, samples=samples, proposal_temperature=proposal_temperature,
+                         temperatures=(temperature,), seed=seed, tp_group=tp_group)
+    return weigh(draws, temperature=temperature, proposal_temperature=proposal_temperature, normalize=normalize,
+                 dtype=torch.float64 if teacher_logits.dtype == torch.float64 else torch.float32)
 
 
 def importance_weights(counts: torch.Tensor, log_ratio: torch.Tensor | None = None, *,
