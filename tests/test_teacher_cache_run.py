@@ -26,7 +26,8 @@ def cfg_of(*overrides: str):
     (["loss=top_p"], r"loss.top_k=None is invalid: .* a nucleus \(loss.top_p\) not bounded by loss.top_k"),
     (["loss.temperature=2"], r"loss.temperature=2.0 is invalid: must be one of the cached teacher.temperatures \[1.0\]"),
     (["teacher.k_max=5000"], r"teacher.k_max=5000 is invalid: must be in \[1, the vocabulary size 2048\]"),
-    (["loss=sampled"], r"loss.samples=64 is invalid: needs teacher=online: the cache stores the teacher's top-K"),
+    (["loss=sampled", "loss.temperature=2"], r"loss.temperature=2.0 is invalid: must be one of the cached "
+                                             r"teacher.temperatures \[1.0\]"),
     (["teacher.temperatures=[1.0,1.0]"], "teacher.temperatures=.* must not repeat a temperature"),
     (["teacher.dtype=int8"], "teacher.dtype='int8' is invalid: must be one of float32, bfloat16, float16"),
     (["teacher.shard_samples=0"], r"teacher.shard_samples=0 is invalid: must be an integer >= 1"),
@@ -40,6 +41,9 @@ def test_served_options_validate():
     validate(cfg_of("teacher=cached", "loss.top_k=512", "loss.top_p=0.9", "loss.min_k=4", "loss.divergence=jsd",
                     "teacher.temperatures=[1.0,2.0]", "loss.temperature=2.0", "teacher.dtype=bfloat16"))
     validate(cfg_of("loss=dense"))  # the online teacher serves everything
+    # sampled KD from a cache of the draws: top_k is null there and teacher.k_max plays no part
+    validate(cfg_of("teacher=cached", "loss=sampled", "loss.proposal_temperature=1.5", "loss.normalize_weights=false",
+                    "teacher.temperatures=[1.0,2.0]", "loss.temperature=2.0", "teacher.k_max=1"))
 
 
 

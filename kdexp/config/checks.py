@@ -98,8 +98,8 @@ TEACHER_VALUES = ("float32", "bfloat16", "float16")  # kdexp.teacher.format.VALU
 
 
 def _check_teacher(cfg: Any, vocab: Optional[int]) -> None:
-    """teacher.*: its own values, then what a cached teacher can serve of the loss (top-K_max only, cached
-    temperatures)."""
+    """teacher.*: its own values, then what a cached teacher can serve of the loss (cached temperatures; top-K_max
+    only, unless loss.samples makes it a cache of sampled draws)."""
     tc, loss = cfg.teacher, cfg.loss
     choice("teacher.name", tc.name, TEACHERS)
     integer("teacher.k_max", tc.k_max, ge=1)
@@ -117,9 +117,11 @@ def _check_teacher(cfg: Any, vocab: Optional[int]) -> None:
     text("teacher.path", tc.path, none_ok=True)
     if tc.name != "cached":
         return
-    if loss.samples is not None:
-        fail("loss.samples", loss.samples, "needs teacher=online: the cache stores the teacher's top-K records, not "
-                                           "sampled ids (no sampled record type yet); use teacher=online")
+    if float(loss.temperature) not in [float(t) for t in temps]:
+        fail("loss.temperature", loss.temperature, f"must be one of the cached teacher.temperatures {temps} with "
+                                                   "teacher=cached (add it to teacher.temperatures)")
+    if loss.samples is not None:  # a "sampled" cache of the draws: teacher.k_max and loss.top_k play no part
+        return
     if loss.top_k is None:
         what = "dense KD" if loss.top_p is None else "a nucleus (loss.top_p) not bounded by loss.top_k"
         fail("loss.top_k", None, f"must be set with teacher=cached: the cache holds only the teacher's top-"
@@ -128,9 +130,6 @@ def _check_teacher(cfg: Any, vocab: Optional[int]) -> None:
     if loss.top_k > tc.k_max:
         fail("loss.top_k", loss.top_k, f"must be in [1, teacher.k_max={tc.k_max}] with teacher=cached (raise "
                                        "teacher.k_max to cache more)")
-    if float(loss.temperature) not in [float(t) for t in temps]:
-        fail("loss.temperature", loss.temperature, f"must be one of the cached teacher.temperatures {temps} with "
-                                                   "teacher=cached (add it to teacher.temperatures)")
 
 
 def _check_parallel(cfg: Any, sizes: dict, vocab: Optional[int]) -> None:

@@ -1,20 +1,32 @@
 """On-disk format of the offline teacher cache: shard layout, value and index encodings, the key and its manifest.
 
 A cache directory holds, for global samples [0, samples) of the run's training stream (kdexp.data.batches order),
-shards of `shard_samples` consecutive samples. Shard j is three raw little-endian arrays (numpy memmaps, no header):
+shards of `shard_samples` consecutive samples. Shard j is raw little-endian arrays (numpy memmaps, no header), one
+file per part of its record type (`layout["record"]`, `RECORD_PARTS`):
 
+"topk" (the logit losses: kdexp.losses.cached), K = k_max slots per token:
     shard-0000j.values   [n, seq, K]      float32 (exact) | bfloat16 / float16 (compact, stored as their 16 bits)
     shard-0000j.indices  [n, seq, K * B]  global vocabulary ids in B = index_bytes(vocab) bytes (1, 2, 3 or 4)
     shard-0000j.lse      [n, seq, T, 2]   float32: per cached temperature, log-sum-exp of the centred logits / T over
                                           the whole vocabulary and over the complement of the top-K set
+(values are the teacher's top-K logits centred on the row max, sorted descending). Bytes per token: K (V + B) + 8 T.
 
-(values are the teacher's top-K logits centred on the row max, sorted descending: kdexp.losses.cached). Bytes per
-token: K * (value bytes + B) + 8 T. Each finished shard gets `shard-0000j.json` (size + sha256 of its three files),
-written atomically after them: a shard without one is unfinished and rewritten by a resumed build. `manifest.json`
-(format, key, layout, every shard's checksums), written last, marks the cache complete.
+"sampled" (sampled KD, RS-KD: kdexp.losses.sampled.draw_teacher), S = draws (loss.samples) slots per token:
+    shard-0000j.values   [n, seq, S]      the teacher's centred logit of each drawn id (dtype as above; 0 if unused)
+    shard-0000j.indices  [n, seq, S * B]  the distinct drawn ids, sorted, packed left (unused slots repeat the first)
+    shard-0000j.counts   [n, seq, S]      draws per id in C = count_bytes(S) bytes (uint8 up to 255 draws); 0 = unused
+    shard-0000j.lse      [n, seq, T + 1]  float32: per cached temperature log sum exp(centred / T) over the whole
+                                          vocabulary (p's log-normaliser), then the proposal's (at
+                                          proposal_temperature)
+Bytes per token: S (V + B + C) + 4 (T + 1). From these, kdexp.losses.sampled.weigh rebuilds log p_T of every drawn
+id, log p/q, the importance weights (normalised or not: loss.normalize_weights is read time) and so the loss, as
+`sample_teacher` computes them online, for any cached loss temperature. The draws of global sample i come from the
+generator seeded `draw_seed(layout.draw_seed, i)` (trainer.seed): fixed at build time whatever the DP size or
+micro-batch size, and the same draws are reused every epoch / sweep point (an online run draws afresh per step).
 
-Record types: `layout["record"]` names what a shard holds; "topk" is the only one written today. Another type (e.g.
-"sampled": importance-sampled teacher ids with counts) adds its own arrays to `RECORD_PARTS` and keeps the rest.
+Each finished shard gets `shard-0000j.json` (size + sha256 of its files), written atomically after them: a shard
+without one is unfinished and rewritten by a resumed build. `manifest.json` (format, key, layout, every shard's
+checksums), written last, marks the cache complete.
 """
 from __future__ import annotations
 
@@ -25,11 +37,13 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from kdexp.losses.sampled import TeacherDraws, step_seed
+
 FORMAT = 1
 MANIFEST = "manifest.json"
 VALUE_DTYPES = ("float32", "bfloat16", "float16")
 _VALUE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-RECORD_PARTS = {"topk": ("values", "indices", "lse")}
+RECORD_PARTS = {"topk": ("values", "indices", "lse"), "sampled": ("values", "indices", "counts", "lse")}
 
 
 def index_bytes(vocab: int) -> int:
@@ -38,6 +52,19 @@ def index_bytes(vocab: int) -> int:
         if vocab <= 1 << (8 * nb):
             return nb
     raise ValueError(f"vocabulary size {vocab} does not fit 32-bit indices")
+
+
+def count_bytes(draws: int) -> int:
+    """The smallest unsigned integer (1, 2 or 4 bytes) that holds a count of up to `draws` draws."""
+    for nb in (1, 2, 4):
+        if draws < 1 << (8 * nb):
+            return nb
+    raise ValueError(f"{draws} draws per token do not fit 32-bit counts")
+
+
+def draw_seed(seed: int, sample_index: int) -> int:
+    """The generator seed of the draws of global sample `sample_index` in a "sampled" cache built with `seed`."""
+    return step_seed(seed, sample_index)
 
 
 @dataclass(frozen=True)
@@ -49,7 +76,22 @@ class Layout:
     values: str  # one of VALUE_DTYPES
     index_bytes: int
     shard_samples: int
-    record: str = "topk"
+    record: str = "topk"  # a key of RECORD_PARTS
+    # "sampled" only (k_max is 0 there): draws per token (loss.samples), their proposal temperature and base seed
+    draws: Optional[int] = None
+    proposal_temperature: Optional[float] = None
+    draw_seed: Optional[int] = None
+
+    def __post_init__(self):
+        if self.record not in RECORD_PARTS:
+            raise ValueError(f"record={self.record!r} is not a teacher-cache record type ({', '.join(RECORD_PARTS)})")
+        if self.record == "sampled" and None in (self.draws, self.proposal_temperature, self.draw_seed):
+            raise ValueError("a sampled record needs draws, proposal_temperature and draw_seed")
+
+    @property
+    def slots(self) -> int:
+        """Entries per token: K_max ids (topk) or the draws (sampled: at most that many distinct ids)."""
+        return self.k_max if self.record == "topk" else self.draws
 
     @property
     def shards(self) -> int:
@@ -59,19 +101,38 @@ class Layout:
         return range(j * self.shard_samples, min(self.samples, (j + 1) * self.shard_samples))
 
     def bytes_per_token(self) -> int:
-        return self.k_max * (_VALUE_BYTES[self.values] + self.index_bytes) + 8 * len(self.temperatures)
+        entry = _VALUE_BYTES[self.values] + self.index_bytes
+        if self.record == "topk":
+            return self.k_max * entry + 8 * len(self.temperatures)
+        return self.draws * (entry + count_bytes(self.draws)) + 4 * (len(self.temperatures) + 1)
 
     def shapes(self, n: int) -> dict[str, tuple[tuple, np.dtype]]:
         """File name suffix -> (shape, numpy dtype) of a shard of `n` samples."""
-        s, k = self.seq_length, self.k_max
+        s, k, nt = self.seq_length, self.slots, len(self.temperatures)
         vdt = np.dtype("<f4") if self.values == "float32" else np.dtype("<u2")
         idt = np.dtype({1: "<u1", 2: "<u2", 4: "<u4"}.get(self.index_bytes, "<u1"))
         iw = k if self.index_bytes != 3 else 3 * k
-        return {"values": ((n, s, k), vdt), "indices": ((n, s, iw), idt),
-                "lse": ((n, s, len(self.temperatures), 2), np.dtype("<f4"))}
+        out = {"values": ((n, s, k), vdt), "indices": ((n, s, iw), idt)}
+        if self.record == "topk":
+            return {**out, "lse": ((n, s, nt, 2), np.dtype("<f4"))}
+        cdt = np.dtype({1: "<u1", 2: "<u2", 4: "<u4"}[count_bytes(self.draws)])
+        return {**out, "counts": ((n, s, k), cdt), "lse": ((n, s, nt + 1), np.dtype("<f4"))}
+
+    def key_entries(self) -> dict:
+        """What of the layout keys the cache besides the common entries (kdexp.teacher.writer.cache_key): top-K's
+        K_max; the sampled draws' count, proposal temperature and seed (named after their config keys)."""
+        if self.record == "topk":
+            return {"k_max": self.k_max}
+        return {"loss.samples": self.draws, "loss.proposal_temperature": self.proposal_temperature,
+                "draw_seed": self.draw_seed}
+
+    def describe(self) -> str:
+        if self.record == "topk":
+            return f"top-{self.k_max}"
+        return f"{self.draws} draws per token at proposal temperature {self.proposal_temperature}, seed {self.draw_seed}"
 
     def to_json(self) -> dict:
-        d = asdict(self)
+        d = {k: v for k, v in asdict(self).items() if v is not None}  # a topk manifest is what it always was
         d["temperatures"] = list(self.temperatures)
         return d
 
@@ -114,6 +175,35 @@ def decode_indices(a: np.ndarray, nb: int) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(a).astype(np.int64))
     b = np.ascontiguousarray(a).reshape(*a.shape[:-1], a.shape[-1] // 3, 3).astype(np.int64)
     return torch.from_numpy(b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16))
+
+
+# --------------------------------------------------------------------------------------------------- records
+
+def encode_record(layout: Layout, rec) -> dict[str, np.ndarray]:
+    """Part -> array of one batch of records: a kdexp.losses.cached.TeacherRecord (topk) or a
+    kdexp.losses.sampled.TeacherDraws over the layout's temperatures (sampled), [b, seq, ...] each."""
+    if layout.record == "topk":
+        return {"values": encode_values(rec.values, layout.values),
+                "indices": encode_indices(rec.indices, layout.index_bytes),
+                "lse": torch.stack([rec.lse, rec.lse_rest], -1).to("cpu", torch.float32).numpy()}
+    cdt = {1: "<u1", 2: "<u2", 4: "<u4"}[count_bytes(layout.draws)]
+    return {"values": encode_values(rec.centred, layout.values),
+            "indices": encode_indices(rec.ids, layout.index_bytes),
+            "counts": rec.counts.to("cpu").numpy().astype(cdt),
+            "lse": torch.cat([rec.log_zp, rec.log_zq[..., None]], -1).to("cpu", torch.float32).numpy()}
+
+
+def decode_record(layout: Layout, parts: dict[str, np.ndarray], ti: int):
+    """The stored record of a batch at cached temperature index `ti`: topk -> (values [b, s, K] float32, indices
+    [b, s, K] long, lse [b, s], lse_rest [b, s]); sampled -> TeacherDraws with log_zp [b, s, 1] (at that
+    temperature), what kdexp.losses.sampled.weigh takes."""
+    values = decode_values(parts["values"], layout.values)
+    indices = decode_indices(parts["indices"], layout.index_bytes)
+    lse = torch.from_numpy(np.ascontiguousarray(parts["lse"]))
+    if layout.record == "topk":
+        return values, indices, lse[..., ti, 0].contiguous(), lse[..., ti, 1].contiguous()
+    counts = torch.from_numpy(np.ascontiguousarray(parts["counts"]).astype(np.int64))
+    return TeacherDraws(indices, counts, values, lse[..., ti:ti + 1].contiguous(), lse[..., -1].contiguous())
 
 
 # ------------------------------------------------------------------------------------------------------- key

@@ -3,7 +3,8 @@
 `TeacherCache(path, key)` opens the manifest (a missing one: the cache is unfinished; a key that differs from this
 run's: a `CacheMismatch` naming every entry that differs). A shard is verified against its sha256 the first time a
 process touches it, so a truncated or garbled file is a `CacheCorrupt` naming the file, never silently used;
-`verify()` checks them all up front. `read(sample_index)` returns the stored record of those samples as tensors.
+`verify()` checks them all up front. `read(sample_index, temperature)` returns the stored record of those samples as
+tensors, whatever its record type (kdexp.teacher.format.decode_record).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ class CacheCorrupt(RuntimeError):
 
 
 class CacheMismatch(ValueError):
-    """A cache built for another teacher, data stream, sequence layout, K_max, temperature set or value dtype."""
+    """A cache built for another teacher, data stream, sequence layout, record type, K_max or draws (count, proposal
+    temperature, seed), temperature set or value dtype."""
 
 
 def check_shard(directory: Path, j: int, want: Optional[dict] = None) -> Optional[str]:
@@ -95,23 +97,19 @@ class TeacherCache:
             self._shard(j)
 
     def read(self, sample_index, temperature: float, device=None):
-        """(values [b, s, K] float32, indices [b, s, K] long, lse [b, s], lse_rest [b, s]) of global samples
-        `sample_index` ([b] ints) at a cached `temperature`."""
+        """The stored record of global samples `sample_index` ([b] ints) at a cached `temperature`
+        (kdexp.teacher.format.decode_record): topk -> (values [b, s, K] float32, indices [b, s, K] long, lse [b, s],
+        lse_rest [b, s]); sampled -> kdexp.losses.sampled.TeacherDraws."""
         ti = self.temperature_index(temperature)
         idx = [int(i) for i in (sample_index.tolist() if torch.is_tensor(sample_index) else sample_index)]
         lay = self.layout
         if any(not 0 <= i < lay.samples for i in idx):
             raise IndexError(f"samples {idx} are outside the teacher cache's [0, {lay.samples}): the run reads more "
                              "samples than were cached (the cache key includes the sample count: this is a bug)")
-        vals, ids, lse = [], [], []
-        for i in idx:
-            m = self._shard(i // lay.shard_samples)
-            o = i % lay.shard_samples
-            vals.append(m["values"][o])
-            ids.append(m["indices"][o])
-            lse.append(m["lse"][o, :, ti])
-        v = fmt.decode_values(np.stack(vals), lay.values)
-        ix = fmt.decode_indices(np.stack(ids), lay.index_bytes)
-        ls = torch.from_numpy(np.stack(lse))
-        out = (v, ix, ls[..., 0].contiguous(), ls[..., 1].contiguous())
-        return out if device is None else tuple(t.to(device, non_blocking=True) for t in out)
+        rows = [(self._shard(i // lay.shard_samples), i % lay.shard_samples) for i in idx]
+        out = fmt.decode_record(lay, {part: np.stack([m[part][o] for m, o in rows])
+                                      for part in fmt.RECORD_PARTS[lay.record]}, ti)
+        if device is None:
+            return out
+        moved = [t.to(device, non_blocking=True) for t in out]
+        return type(out)(*moved) if hasattr(out, "_fields") else tuple(moved)

@@ -4,13 +4,17 @@
 The stream is kdexp.data's: global sample i of `data.train_ds` (megatron's shuffle, the run's seed and seq layout),
 samples [0, max_steps * global_batch), so step t's records are exactly the samples step t trains on, at any DP size.
 
-- keyed (`cache_key`): teacher identity, data fingerprint and sample count, seq length, vocabulary, K_max,
-  temperatures, value dtype, record type. The default location is a hash of the key under paths.cache; an explicit
+- the record type follows the loss: "topk" for the logit losses, "sampled" when loss.samples is set (the draws made
+  here, once, per global sample: kdexp.teacher.format);
+- keyed (`cache_key`): teacher identity, data fingerprint and sample count, seq length, vocabulary, record type and
+  its own entries (K_max; or loss.samples, loss.proposal_temperature and the draw seed), temperatures, value dtype.
+  The default location is a hash of the key under paths.cache; an explicit
   teacher.path holding another key is a `CacheMismatch` naming what differs;
 - one builder: global rank 0 holds the cache's flock (kdexp.data.cache.exclusive) from check to manifest, so
   concurrent sweep points on a cold cache wait, then share it;
 - shard j is written by TP rank 0 of DP group j % dp_size (its TP ranks gather the vocab-parallel top-K inside
-  kdexp.losses.cached.teacher_topk_record), into temp files renamed into place, then its checksum record;
+  kdexp.losses.cached.teacher_topk_record, or make the same draws in kdexp.losses.sampled.draw_teacher), into temp
+  files renamed into place, then its checksum record;
 - resumable: a killed build keeps its finished (checksum-verified) shards; a rerun writes only the others;
 - global rank 0 writes manifest.json last.
 """
@@ -31,6 +35,7 @@ from kdexp import distributed, models
 from kdexp.data import cache as data_cache
 from kdexp.data.cache import sha256_file
 from kdexp.losses.cached import teacher_topk_record
+from kdexp.losses.sampled import TeacherDraws, draw_teacher
 from kdexp.teacher import format as fmt
 from kdexp.teacher.reader import CacheMismatch, TeacherCache, check_shard
 from kdexp.track import records
@@ -59,21 +64,27 @@ def teacher_identity(cfg, data) -> dict:
 
 
 def layout_for(cfg, data) -> fmt.Layout:
+    """The run's cache layout: a "sampled" record when loss.samples is set (teacher.k_max is then irrelevant), else
+    "topk"."""
     st = distributed.state()
-    t, tc = cfg.trainer, cfg.teacher
+    t, tc, loss = cfg.trainer, cfg.teacher, cfg.loss
     global_batch = t.global_batch_size or t.micro_batch_size * st.dp_size  # samples per step, as the trainer reads
-    return fmt.Layout(samples=t.max_steps * global_batch, seq_length=t.seq_length,
-                      k_max=tc.k_max, temperatures=tuple(float(x) for x in tc.temperatures), values=tc.dtype,
-                      index_bytes=fmt.index_bytes(data.vocab_size), shard_samples=tc.shard_samples)
+    common = dict(samples=t.max_steps * global_batch, seq_length=t.seq_length,
+                  temperatures=tuple(float(x) for x in tc.temperatures), values=tc.dtype,
+                  index_bytes=fmt.index_bytes(data.vocab_size), shard_samples=tc.shard_samples)
+    if loss.samples is None:
+        return fmt.Layout(k_max=tc.k_max, **common)
+    return fmt.Layout(k_max=0, record="sampled", draws=int(loss.samples),
+                      proposal_temperature=float(loss.proposal_temperature), draw_seed=int(t.seed), **common)
 
 
 def cache_key(cfg, data, layout: fmt.Layout) -> dict:
     """JSON-native: compared entry by entry with a stored manifest's key."""
     return {"format": fmt.FORMAT, "record": layout.record, "teacher": teacher_identity(cfg, data),
-            "params_dtype": cfg.model.params_dtype, "precision": cfg.trainer.precision, "data": data.fingerprint, "train_samples": len(data.train_ds),
-            "samples": layout.samples, "seq_length": layout.seq_length, "vocab_size": int(data.vocab_size),
-            "k_max": layout.k_max, "temperatures": list(layout.temperatures), "values": layout.values,
-            "shard_samples": layout.shard_samples}
+            "params_dtype": cfg.model.params_dtype, "precision": cfg.trainer.precision, "data": data.fingerprint,
+            "train_samples": len(data.train_ds), "samples": layout.samples, "seq_length": layout.seq_length,
+            "vocab_size": int(data.vocab_size), **layout.key_entries(), "temperatures": list(layout.temperatures),
+            "values": layout.values, "shard_samples": layout.shard_samples}
 
 
 def cache_location(cfg, key: dict) -> Path:
@@ -92,6 +103,19 @@ def _agree(flag: bool, group) -> bool:
 
 
 @torch.no_grad()
+def teacher_record(layout: fmt.Layout, logits: torch.Tensor, sample_ids: range):
+    """The record of the samples `sample_ids` from their teacher logits [b, seq, V/tp] (collective over the TP group;
+    the same on every TP rank): top-K_max + log-sum-exps, or the draws of each sample from its own seeded stream."""
+    temps, tp = list(layout.temperatures), distributed.tp_group()
+    if layout.record == "topk":
+        return teacher_topk_record(logits, layout.k_max, temps, tp_group=tp)
+    per_sample = [draw_teacher(logits[r], samples=layout.draws, proposal_temperature=layout.proposal_temperature,
+                               temperatures=temps, seed=fmt.draw_seed(layout.draw_seed, i), tp_group=tp)
+                  for r, i in enumerate(sample_ids)]
+    return TeacherDraws(*(torch.stack(part) for part in zip(*per_sample)))
+
+
+@torch.no_grad()
 def write_shard(path: Path, j: int, layout: fmt.Layout, teacher, dataset, micro_batch_size: int) -> None:
     """Teacher forward over shard j's samples (collective over the TP group); TP rank 0 writes the files."""
     st = distributed.state()
@@ -101,17 +125,14 @@ def write_shard(path: Path, j: int, layout: fmt.Layout, teacher, dataset, micro_
     tmp = {part: path / f".{fmt.shard_file(path, j, part).name}.tmp-{os.getpid()}" for part in shapes}
     maps = {part: np.memmap(tmp[part], dtype=dt, mode="w+", shape=shape)
             for part, (shape, dt) in shapes.items()} if writer else {}
-    temps = list(layout.temperatures)
     for b0 in range(rng.start, rng.stop, micro_batch_size):
         ids = range(b0, min(rng.stop, b0 + micro_batch_size))
         tokens = torch.stack([torch.as_tensor(dataset[i]["tokens"]) for i in ids]).long().to(st.device)
-        logits = models.vocab_parallel_logits(teacher, tokens)
-        rec = teacher_topk_record(logits, layout.k_max, temps, tp_group=distributed.tp_group())
+        rec = teacher_record(layout, models.vocab_parallel_logits(teacher, tokens), ids)
         if writer:
             o = slice(ids.start - rng.start, ids.stop - rng.start)
-            maps["values"][o] = fmt.encode_values(rec.values, layout.values)
-            maps["indices"][o] = fmt.encode_indices(rec.indices, layout.index_bytes)
-            maps["lse"][o] = torch.stack([rec.lse, rec.lse_rest], -1).to("cpu", torch.float32).numpy()
+            for part, a in fmt.encode_record(layout, rec).items():
+                maps[part][o] = a
     if not writer:
         return
     files = {}
@@ -188,9 +209,10 @@ def ensure_at(path: Path, key: dict, layout: fmt.Layout, teacher, dataset, micro
                 log.info("stage teacher_cache: reusing %s", path)
         else:
             if rank0:
-                log.info("stage teacher_cache: one teacher pass over %d samples x %d tokens into %s (K_max %d, "
-                         "temperatures %s, %s values, %d B/token)", layout.samples, layout.seq_length, path,
-                         layout.k_max, list(layout.temperatures), layout.values, layout.bytes_per_token())
+                log.info("stage teacher_cache: one teacher pass over %d samples x %d tokens into %s (%s record: "
+                         "%s, temperatures %s, %s values, %d B/token)", layout.samples, layout.seq_length, path,
+                         layout.record, layout.describe(), list(layout.temperatures), layout.values,
+                         layout.bytes_per_token())
             build(path, key, layout, teacher, dataset, micro_batch_size)
             cache = TeacherCache(path, key)
     distributed.barrier()

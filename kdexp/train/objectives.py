@@ -2,7 +2,8 @@
 
 The loss and the balancer are built from their config nodes here, each through its one factory in kdexp.losses
 (`KDLossOptions.from_config(...).kwargs()`, `BalancerOptions.from_config(...).build()`). `kd_loss` is the one place
-that picks the KD estimator: the logit loss, or sampled KD when `loss.samples` is set. Hidden-state losses
+that picks the KD estimator of an online teacher: the logit loss, or sampled KD when `loss.samples` is set;
+`cached_kd_loss` the one for an offline teacher cache (its top-K record, or its stored draws). Hidden-state losses
 (`loss.intermediate`) are modules attached to the student (`attach_intermediate`), so their projections are trained,
 clipped, averaged over DP and checkpointed with it (and left out of the Hugging Face export).
 
@@ -22,7 +23,7 @@ from kdexp.losses import BalancerOptions, KDLossOptions, logits_kd_loss
 from kdexp.losses import cached_kd_loss as cached_kd_loss_fn
 from kdexp.losses.intermediate import IntermediateLoss, mean_of
 from kdexp.losses.options import SampledKDOptions
-from kdexp.losses.sampled import sample_teacher, sampled_kd_loss, step_seed, unique_mass
+from kdexp.losses.sampled import TokenSamples, sample_teacher, sampled_kd_loss, step_seed, unique_mass, weigh
 
 INTERMEDIATE_ATTR = "kdexp_intermediate"  # kdexp.models.hf.TRAINING_ONLY_PREFIX keeps it out of the HF export
 
@@ -101,9 +102,15 @@ def sampling_seed(cfg, step: int, micro: int = 0) -> int:
 
 
 def _sampled(student, teacher, loss_mask, kd: KDLossOptions, sampled: SampledKDOptions, seed: int, denom=None):
-    tp = distributed.tp_group()
     draw = sample_teacher(teacher, samples=sampled.samples, proposal_temperature=sampled.proposal_temperature,
-                          temperature=kd.temperature, seed=seed, normalize=sampled.normalize_weights, tp_group=tp)
+                          temperature=kd.temperature, seed=seed, normalize=sampled.normalize_weights,
+                          tp_group=distributed.tp_group())
+    return _sampled_parts(student, draw, loss_mask, kd, denom)
+
+
+def _sampled_parts(student, draw: TokenSamples, loss_mask, kd: KDLossOptions, denom=None):
+    """The sampled-KD loss and stats from drawn ids and weights (online draws, or a cache's, reweighed)."""
+    tp = distributed.tp_group()
     per_token = sampled_kd_loss(student, draw.ids, draw.weights, draw.teacher_logprobs, temperature=kd.temperature,
                                 scale_by_temperature_squared=kd.scale_by_temperature_squared, tp_group=tp)
     mass, distinct = unique_mass(draw)
@@ -142,8 +149,20 @@ def intermediate_loss(student: torch.nn.Module, loss_cfg, student_hidden: dict, 
 
 def cached_kd_loss(student: torch.Tensor, cache, sample_index, loss_mask: torch.Tensor, loss_cfg, denom=None):
     """`kd_loss` with the teacher read from an offline cache (kdexp.teacher.TeacherCache) at the loss's temperature:
-    the same loss, gradient and stats (kdexp.losses.cached_kd_loss)."""
+    from a "topk" record the same loss, gradient and stats (kdexp.losses.cached_kd_loss); from a "sampled" record
+    (loss.samples set) sampled KD on the draws made when the cache was built, weighed here at the loss temperature
+    and loss.normalize_weights (kdexp.losses.sampled.weigh): `kd_loss`'s sampled estimator on fixed draws."""
     opts = KDLossOptions.from_config(loss_cfg)
+    sampled = SampledKDOptions.from_config(loss_cfg)
+    record = cache.layout.record
+    if sampled.enabled != (record == "sampled"):  # the cache key follows the config: only a caller's mix-up
+        raise ValueError(f"loss.samples={sampled.samples!r} cannot be served by the teacher cache {cache.path}: it "
+                         f"holds {record!r} records")
+    if sampled.enabled:
+        draws = cache.read(sample_index, opts.temperature, device=student.device)
+        draw = weigh(draws, temperature=opts.temperature, proposal_temperature=cache.layout.proposal_temperature,
+                     normalize=sampled.normalize_weights)
+        return _sampled_parts(student, draw, loss_mask, opts, denom)
     values, indices, lse, lse_rest = cache.read(sample_index, opts.temperature, device=student.device)
     per_token, stats = cached_kd_loss_fn(student, values, indices, lse, lse_rest, tp_group=distributed.tp_group(),
                                          return_stats=True, **opts.kwargs())
