@@ -1,9 +1,11 @@
 """kdexp.teacher: the offline teacher cache's format, writer and reader on a fake teacher (no megatron model).
 
 Read back = what teacher_topk_record computes from the same logits (fp32 bit-exact, compact to its dtype); index
-packing in 1-4 bytes; bytes on disk = the layout's bytes/token; a garbled or truncated shard is named by its checksum;
-a cache (finished or not) of another key is refused naming what differs; a build killed by SIGKILL mid-way resumes
-keeping its finished shards and ends identical to an uninterrupted build; two concurrent jobs build once.
+packing in 1-4 bytes; bytes on disk = the layout's bytes/token (top-K and sampled records); a garbled or truncated
+shard is named by its checksum; a cache (finished or not) of another key is refused naming what differs; a build
+killed by SIGKILL mid-way resumes keeping its finished shards and ends identical to an uninterrupted build; two
+concurrent jobs build once. The machinery cases run for both record types; what a sampled record holds and trains is
+tests/test_teacher_cache_sampled.py.
 """
 from __future__ import annotations
 
@@ -27,12 +29,19 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("_teacher_cache_worker.py")
 
 
-def _build(path, values="float32", **key_changes):
+SAMPLED = dict(draws=8, proposal_temperature=1.0)  # the fake teacher's "sampled" layout in the record-type cases
+
+
+def _build(path, values="float32", layout=None, micro_batch_size=2, **key_changes):
     from kdexp.teacher.writer import ensure_at
 
-    lay = w.layout(values)
+    lay = layout or w.layout(values)
     with lone_process(seed=0):
-        return ensure_at(path, w.key(lay, **key_changes), lay, w.FakeTeacher(), w.dataset(), 2)
+        return ensure_at(path, w.key(lay, **key_changes), lay, w.FakeTeacher(), w.dataset(), micro_batch_size)
+
+
+def _layout(record):
+    return w.layout() if record == "topk" else w.layout(**SAMPLED)
 
 
 def _expected(samples, temp_index):
@@ -80,10 +89,27 @@ def test_bytes_per_token_qwen3():
     assert fmt.Layout(1, 1, 1024, (1.0,), "bfloat16", 3, 1).bytes_per_token() == 1024 * (2 + 3) + 8
 
 
-def test_corruption_is_named(tmp_path):
+@pytest.mark.parametrize("vocab,values,topk,sampled", [
+    (2048, "float32", 6152, 456), (2048, "bfloat16", 4104, 328), (151936, "float32", 7176, 520),
+    (151936, "bfloat16", 5128, 392)])
+def test_bytes_per_token_sampled_vs_topk(vocab, values, topk, sampled):
+    """At the defaults (teacher.k_max 1024, loss=sampled's 64 draws, one temperature): a sampled record is 64 x (value
+    + id + a 1-byte count) + 4 (T + 1) bytes, ~13x smaller than top-1024's."""
+    nb = fmt.index_bytes(vocab)
+    assert fmt.Layout(1, 1, 1024, (1.0,), values, nb, 1).bytes_per_token() == topk
+    lay = fmt.Layout(1, 1, 0, (1.0,), values, nb, 1, record="sampled", draws=64, proposal_temperature=1.0,
+                     draw_seed=0)
+    assert lay.bytes_per_token() == sampled == 64 * ({"float32": 4, "bfloat16": 2}[values] + nb + 1) + 8
+    assert [fmt.count_bytes(n) for n in (1, 255, 256, 65535, 65536)] == [1, 1, 2, 2, 4]
+    with pytest.raises(ValueError, match="record='dense' is not a teacher-cache record type"):
+        fmt.Layout(1, 1, 0, (1.0,), values, nb, 1, record="dense")
+
+
+@pytest.mark.parametrize("record,part", [("topk", "values"), ("sampled", "counts")])
+def test_corruption_is_named(tmp_path, record, part):
     path = tmp_path / "c"
-    _build(path)
-    f = path / "shard-00001.values"
+    _build(path, layout=_layout(record))
+    f = path / f"shard-00001.{part}"
     raw = bytearray(f.read_bytes())
     raw[17] ^= 0xFF
     f.write_bytes(bytes(raw))
@@ -91,11 +117,11 @@ def test_corruption_is_named(tmp_path):
         h.truncate(40)
     cache = TeacherCache(path)
     cache.read([0, 1], 1.0)  # shard 0 is intact
-    with pytest.raises(CacheCorrupt, match=r"shard-00001.values fails its checksum"):
+    with pytest.raises(CacheCorrupt, match=rf"shard-00001.{part} fails its checksum"):
         cache.read([4], 1.0)
     with pytest.raises(CacheCorrupt, match=r"shard-00002.lse is 40 bytes, its checksum record says \d+ "):
         cache.read([6], 1.0)
-    with pytest.raises(CacheCorrupt, match="shard-00001.values"):
+    with pytest.raises(CacheCorrupt, match=f"shard-00001.{part}"):
         TeacherCache(path).verify()
     (path / "manifest.json").unlink()
     with pytest.raises(CacheCorrupt, match="unfinished"):
@@ -126,15 +152,17 @@ def _shard_digests(path):
 
 
 @pytest.mark.slow
-def test_sigkill_mid_build_resumes_keeping_finished_shards(tmp_path):
-    killed = _worker(tmp_path / "c", "--kill-after", "1", check=False)
+@pytest.mark.parametrize("record", ["topk", "sampled"])
+def test_sigkill_mid_build_resumes_keeping_finished_shards(tmp_path, record):
+    extra = () if record == "topk" else ("--draws", str(SAMPLED["draws"]))
+    killed = _worker(tmp_path / "c", "--kill-after", "1", *extra, check=False)
     assert killed.returncode == -9, killed.stderr
     assert not (tmp_path / "c" / "manifest.json").exists()
     assert (tmp_path / "c" / "shard-00001.json").exists() and not (tmp_path / "c" / "shard-00002.json").exists()
-    resumed = _worker(tmp_path / "c")
+    resumed = _worker(tmp_path / "c", *extra)
     assert "kept 2 finished shard(s), wrote 2" in resumed.stderr, resumed.stderr
     assert "shard 1/4 written" not in resumed.stderr and "shard 3/4 written" in resumed.stderr
-    fresh = _build(tmp_path / "fresh")
+    fresh = _build(tmp_path / "fresh", layout=_layout(record))
     assert _shard_digests(tmp_path / "c") == _shard_digests(fresh.path)
     TeacherCache(tmp_path / "c").verify()
 
@@ -164,25 +192,29 @@ def test_layout_shapes_cover_the_samples():
     assert shape == (3, w.SEQ, w.K_MAX) and dt == np.dtype("<u2")
 
 
-def _parallel_build(rank, world, root, tp):
-    """tp=2: TP ranks gather the vocab-parallel top-K, TP rank 0 writes; tp=1: DP=2, shards split over DP ranks."""
+def _parallel_build(rank, world, root, tp, record):
+    """tp=2: TP ranks gather the vocab-parallel top-K (or make the draws together), TP rank 0 writes; tp=1: DP=2,
+    shards split over DP ranks."""
     import kdexp.distributed as kd
     from kdexp.teacher.writer import ensure_at
 
-    lay = w.layout()
+    lay = _layout(record)
     kd.initialize(tensor_parallel=tp, seed=0)
     cache = ensure_at(Path(root), w.key(lay), lay, w.FakeTeacher(), w.dataset(), 2)
     return cache.read(list(range(w.SAMPLES)), 2.0)
 
 
 @pytest.mark.slow
-def test_tp2_and_dp2_builds_equal_the_single_process_build(tmp_path):
+@pytest.mark.parametrize("record", ["topk", "sampled"])
+def test_tp2_and_dp2_builds_equal_the_single_process_build(tmp_path, record):
     from kdexp.distributed.testing import run_on_processes
 
-    one = _build(tmp_path / "one").read(list(range(w.SAMPLES)), 2.0)
+    one = _build(tmp_path / "one", layout=_layout(record)).read(list(range(w.SAMPLES)), 2.0)
     for tp in (2, 1):
-        for built in run_on_processes(_parallel_build, 2, args=(str(tmp_path / f"tp{tp}"), tp), timeout=600):
-            assert torch.equal(built[1], one[1])  # the same top-K ids
+        for built in run_on_processes(_parallel_build, 2, args=(str(tmp_path / f"tp{tp}"), tp, record), timeout=600):
+            assert torch.equal(built[1], one[1])  # the same top-K ids (sampled: the same counts)
+            if record == "sampled":
+                assert torch.equal(built.ids, one.ids) and torch.equal(built.counts, one.counts)
             for a, b in zip(built, one):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     dp2 = sorted(p.name for p in (tmp_path / "tp1").glob("shard-*.json"))
