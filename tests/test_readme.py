@@ -186,6 +186,10 @@ COMMANDS: dict[str, How] = {
     "python -m kdexp.run -m teacher=cached loss.top_p=0.8,0.9,0.95 balancer.alpha=0.5,1.0": How(
         "not here", "6 full runs take an hour on this shared CPU; one cached run (smoke) is "
         "tests/test_teacher_cache_run.py::test_cached_run_builds_the_cache_and_matches_the_online_run"),
+    "python -m kdexp.run -m teacher=cached loss=sampled balancer.alpha=0.5,0.9": How(
+        "covered", "tests/test_teacher_cache_run.py::test_sampled_kd_from_the_cache_and_a_second_point_reuses_it"),
+    "torchrun --nproc-per-node 2 -m kdexp.run parallel.tensor=2 teacher=cached": How(
+        "covered", "tests/test_teacher_cache_run.py::test_torchrun_tp2_from_the_cache_matches_tp1"),
     _TC_SWEEP: How("not here", "the measurement itself: 6 runs of 20 steps, minutes on this shared CPU; one online vs "
                    "cached smoke pair is tests/test_teacher_cache_run.py"),
     _TC_SWEEP + " teacher=cached": How("not here", "the measurement itself, as above"),

@@ -70,10 +70,11 @@ class DataConfig:
 @dataclass
 class TeacherConfig:
     """The teacher group: `online` runs the teacher forward every step; `cached` trains from an offline cache of its
-    top-K_max logits + log-sum-exps (kdexp.teacher), built once (under a lock) by the first run that needs it."""
+    top-K_max logits + log-sum-exps, or with loss.samples set of sampled KD's draws (kdexp.teacher.format), built
+    once (under a lock) by the first run that needs it."""
 
     name: str = "online"  # online | cached
-    k_max: int = 1024  # cached: top-K stored per token; serves any loss.top_k <= k_max
+    k_max: int = 1024  # cached: top-K stored per token; serves any loss.top_k <= k_max (unused by sampled KD)
     temperatures: List[float] = field(default_factory=lambda: [1.0])  # cached: the loss.temperature values served
     dtype: str = "float32"  # cached: values stored as float32 (exact) | bfloat16 | float16 (compact)
     shard_samples: int = 64  # cached: samples per shard (the unit of resume and of checksum verification)
