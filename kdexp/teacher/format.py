@@ -9,7 +9,8 @@ file per part of its record type (`layout["record"]`, `RECORD_PARTS`):
     shard-0000j.indices  [n, seq, K * B]  global vocabulary ids in B = index_bytes(vocab) bytes (1, 2, 3 or 4)
     shard-0000j.lse      [n, seq, T, 2]   float32: per cached temperature, log-sum-exp of the centred logits / T over
                                           the whole vocabulary and over the complement of the top-K set
-(values are the teacher's top-K logits centred on the row max, sorted descending). Bytes per token: K (V + B) + 8 T.
+(values are the teacher's top-K logits centred on the row max, sorted descending). Bytes per token: K (E + B) + 8 T,
+E the value bytes (4, or 2 compact).
 
 "sampled" (sampled KD, RS-KD: kdexp.losses.sampled.draw_teacher), S = draws (loss.samples) slots per token:
     shard-0000j.values   [n, seq, S]      the teacher's centred logit of each drawn id (dtype as above; 0 if unused)
@@ -18,7 +19,7 @@ file per part of its record type (`layout["record"]`, `RECORD_PARTS`):
     shard-0000j.lse      [n, seq, T + 1]  float32: per cached temperature log sum exp(centred / T) over the whole
                                           vocabulary (p's log-normaliser), then the proposal's (at
                                           proposal_temperature)
-Bytes per token: S (V + B + C) + 4 (T + 1). From these, kdexp.losses.sampled.weigh rebuilds log p_T of every drawn
+Bytes per token: S (E + B + C) + 4 (T + 1). From these, kdexp.losses.sampled.weigh rebuilds log p_T of every drawn
 id, log p/q, the importance weights (normalised or not: loss.normalize_weights is read time) and so the loss, as
 `sample_teacher` computes them online, for any cached loss temperature. The draws of global sample i come from the
 generator seeded `draw_seed(layout.draw_seed, i)` (trainer.seed): fixed at build time whatever the DP size or

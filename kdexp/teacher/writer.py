@@ -8,8 +8,8 @@ samples [0, max_steps * global_batch), so step t's records are exactly the sampl
   here, once, per global sample: kdexp.teacher.format);
 - keyed (`cache_key`): teacher identity, data fingerprint and sample count, seq length, vocabulary, record type and
   its own entries (K_max; or loss.samples, loss.proposal_temperature and the draw seed), temperatures, value dtype.
-  The default location is a hash of the key under paths.cache; an explicit
-  teacher.path holding another key is a `CacheMismatch` naming what differs;
+  The default location is a hash of the key under paths.cache; an explicit teacher.path holding another key is a
+  `CacheMismatch` naming what differs;
 - one builder: global rank 0 holds the cache's flock (kdexp.data.cache.exclusive) from check to manifest, so
   concurrent sweep points on a cold cache wait, then share it;
 - shard j is written by TP rank 0 of DP group j % dp_size (its TP ranks gather the vocab-parallel top-K inside
