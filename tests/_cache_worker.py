@@ -19,7 +19,8 @@ from omegaconf import OmegaConf
 
 TINY = {
     "data": {"name": "stdlib", "vocab_size": 512, "max_chars": 120_000, "val_fraction": 0.1},
-    "model": {"teacher": "tiny-teacher", "teacher_pretrain_steps": 4, "teacher_pretrain_micro_batch_size": 2},
+    "model": {"teacher": "tiny-teacher", "embedded_teacher": "pretrain", "teacher_pretrain_steps": 4,
+              "teacher_pretrain_micro_batch_size": 2},
     "trainer": {"seq_length": 32, "micro_batch_size": 2, "seed": 3, "eval_iters": 1},
 }
 

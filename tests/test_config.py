@@ -158,6 +158,9 @@ BAD = [
     (["model.teacher=giant"], "model.teacher", "tiny-teacher"),
     (["model.student=giant"], "model.student", "tiny-student"),
     (["model.params_dtype=float8"], "model.params_dtype", "bfloat16"),
+    (["model.embedded_teacher=cloud"], "model.embedded_teacher", "shipped, pretrain"),
+    (["data.vocab_size=4096"], "data.vocab_size", "must be 2048 with model.embedded_teacher=shipped .*embedded_teacher=pretrain"),
+    (["model.teacher=tiny-student"], "model.teacher", "'tiny-teacher' with model.embedded_teacher=shipped"),
     (["model.teacher_pretrain_steps=0"], "model.teacher_pretrain_steps", ">= 1"),
     (["model.teacher_pretrain_lr=nan"], "model.teacher_pretrain_lr", "finite number > 0"),
     (["model.teacher_pretrain_min_lr=-1e-4"], "model.teacher_pretrain_min_lr", ">= 0"),
@@ -238,7 +241,7 @@ def test_tensor_parallel_must_divide_the_vocabulary():
     # 4 heads / 2 kv heads (teacher and student): TP=2 divides the heads and only fails on an odd vocabulary
     validate(cfg_of("parallel.tensor=2"))
     with pytest.raises(ValueError, match=r"^parallel.tensor=2 is invalid: must divide the vocabulary size 4095$"):
-        validate(cfg_of("parallel.tensor=2", "data.vocab_size=4095"))
+        validate(cfg_of("parallel.tensor=2", "data.vocab_size=4095", "model.embedded_teacher=pretrain"))
 
 
 def test_tensor_parallel_must_divide_the_world_size(monkeypatch):

@@ -23,7 +23,11 @@ class ModelConfig:
     teacher_path: Optional[str] = None  # local HF checkpoint dir; required for real (non-tiny) teachers
     student_path: Optional[str] = None  # local HF checkpoint dir to start the student from; None = random init
     params_dtype: str = "float32"  # float32 | bfloat16
-    # Embedded default only: the tiny teacher is pretrained on the corpus once, then cached (kdexp.train.teacher).
+    # Embedded default only (no teacher_path): `shipped` loads the teacher trained once by this project's recipe and
+    # shipped with the package with its tokenizer (kdexp/assets/teacher); `pretrain` pretrains one here with the
+    # recipe below, once per cache (kdexp.train.teacher).
+    embedded_teacher: str = "shipped"  # shipped | pretrain
+    # model.embedded_teacher=pretrain: the tiny teacher is pretrained on the corpus once, then cached.
     # Chosen by measurement (README "How peaked is the teacher", python -m kdexp.bench.teacher --curve): at the same
     # CPU cost, 600 steps of 4 samples (val LM loss 4.76, top-1 0.17, median nucleus 714) beat 300 steps of 8 at a 3x
     # higher peak LR, 1e-2 (5.28, 0.10, 798); twice the first recipe's 300 steps, pretrained once per cache.

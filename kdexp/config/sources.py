@@ -8,9 +8,11 @@ import re
 from pathlib import Path
 from typing import Any, Optional
 
+from kdexp import assets
 from kdexp.rules import choice, fail, integer, is_int, number
 
 _DTYPES = ("float32", "bfloat16")
+EMBEDDED_TEACHERS = ("shipped", "pretrain")
 
 
 def _model_shape(name: str, key: str):
@@ -45,20 +47,30 @@ def _hf_config(key: str, path: str) -> dict:
     return hf
 
 
+def _checkpoint(cfg: Any, role: str) -> tuple[str, Optional[str]]:
+    """(the key that names it, the checkpoint dir or None) of a role: model.<role>_path, or for the teacher the shipped
+    checkpoint (model.embedded_teacher=shipped)."""
+    if role == "teacher" and assets.uses_shipped_teacher(cfg.model):
+        return "model.embedded_teacher", assets.teacher_checkpoint(cfg.model)
+    return f"model.{role}_path", getattr(cfg.model, f"{role}_path")
+
+
 def shapes(cfg: Any) -> dict:
     """Per role: (vocabulary or None when the tokenizer decides it, heads, kv heads, max positions)."""
     out = {}
     for role in ("teacher", "student"):
-        name, path = getattr(cfg.model, role), getattr(cfg.model, f"{role}_path")
+        name = getattr(cfg.model, role)
+        key, path = _checkpoint(cfg, role)
         spec = _model_shape(name, f"model.{role}")
         if path is not None:
-            hf = _hf_config(f"model.{role}_path", path)
+            hf = _hf_config(key, path)
             heads = hf["num_attention_heads"]
             out[role] = (hf["vocab_size"], heads, hf.get("num_key_value_heads") or heads,
                          hf.get("max_position_embeddings") or spec.max_position_embeddings)
             continue
         if name.startswith("tiny"):  # tiny presets take the tokenizer's vocabulary
-            vocab = cfg.data.vocab_size if cfg.data.name == "stdlib" and cfg.data.tokenizer is None else None
+            trained = cfg.data.name == "stdlib" and assets.tokenizer_source(cfg)[1] is None
+            vocab = cfg.data.vocab_size if trained else None  # the BPE trained here has data.vocab_size entries
         else:
             vocab = spec.vocab_size
         out[role] = (vocab, spec.num_heads, spec.num_kv_heads, spec.max_position_embeddings)
@@ -69,10 +81,10 @@ def layer_counts(cfg: Any) -> dict:
     """Per role: the number of decoder layers (config.json's num_hidden_layers for a checkpoint; None if it lacks it)."""
     out = {}
     for role in ("teacher", "student"):
-        name, path = getattr(cfg.model, role), getattr(cfg.model, f"{role}_path")
-        n = _model_shape(name, f"model.{role}").num_layers
+        key, path = _checkpoint(cfg, role)
+        n = _model_shape(getattr(cfg.model, role), f"model.{role}").num_layers
         if path is not None:
-            n = _hf_config(f"model.{role}_path", path).get("num_hidden_layers")
+            n = _hf_config(key, path).get("num_hidden_layers")
             n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
         out[role] = n
     return out
@@ -83,9 +95,20 @@ def check_model(cfg: Any) -> None:
     _model_shape(m.teacher, "model.teacher")
     _model_shape(m.student, "model.student")
     choice("model.params_dtype", m.params_dtype, _DTYPES)
+    choice("model.embedded_teacher", m.embedded_teacher, EMBEDDED_TEACHERS)
     if m.teacher_path is None and not str(m.teacher).startswith("tiny"):
         fail("model.teacher_path", None,
               f"is required for the real teacher model.teacher={m.teacher!r} (only tiny teachers are pretrained here)")
+    if assets.uses_shipped_teacher(m):
+        if m.teacher != assets.SHIPPED_SHAPE:
+            fail("model.teacher", m.teacher, f"must be {assets.SHIPPED_SHAPE!r} with model.embedded_teacher=shipped "
+                                             "(the shipped checkpoint's shape); set model.embedded_teacher=pretrain "
+                                             "to pretrain this shape here")
+        d = cfg.data
+        if d.name == "stdlib" and d.tokenizer is None and d.vocab_size != assets.shipped_vocab_size():
+            fail("data.vocab_size", d.vocab_size, f"must be {assets.shipped_vocab_size()} with "
+                 "model.embedded_teacher=shipped (the shipped teacher's tokenizer); set model.embedded_teacher="
+                 "pretrain to train a BPE of this size and pretrain a teacher on it")
     integer("model.teacher_pretrain_steps", m.teacher_pretrain_steps, ge=1)
     number("model.teacher_pretrain_lr", m.teacher_pretrain_lr, gt=0)
     number("model.teacher_pretrain_min_lr", m.teacher_pretrain_min_lr, ge=0)
@@ -162,8 +185,7 @@ def check_data(cfg: Any) -> None:
 def check_tokenizer(cfg: Any) -> None:
     """The tokenizer: data.tokenizer, else the teacher checkpoint's (with data=stdlib it replaces the trained BPE)."""
     d = cfg.data
-    key, tok = ("data.tokenizer", d.tokenizer) if d.tokenizer is not None else \
-        ("model.teacher_path", cfg.model.teacher_path)
+    key, tok = assets.tokenizer_source(cfg)
     if tok is None:
         if d.name == "indexed":
             fail("data.tokenizer", None, "must be a directory with tokenizer.json for data=indexed "

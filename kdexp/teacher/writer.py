@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kdexp import distributed, models
+from kdexp import assets, distributed, models
 from kdexp.data import cache as data_cache
 from kdexp.data.cache import sha256_file
 from kdexp.losses.cached import teacher_topk_record
@@ -48,9 +48,11 @@ KEY_FILE = "key.json"  # written when a build starts
 
 
 def teacher_identity(cfg, data) -> dict:
-    """What names the teacher's weights: the embedded teacher's cache entry (its key hash + the sha256 of its manifest,
+    """What names the teacher's weights: the shipped teacher's manifest digest, the pretrained teacher's cache entry (its key hash + the sha256 of its manifest,
     which holds every weight file's sha256), or for teacher_path its config.json digest and weight files' names,
     sizes and mtimes (hashing a multi-GB checkpoint on every run would cost minutes)."""
+    if assets.uses_shipped_teacher(cfg.model):  # its manifest holds the sha256 of every file
+        return {"shipped": sha256_file(assets.SHIPPED_TEACHER / data_cache.MANIFEST)}
     if cfg.model.teacher_path is None:
         from kdexp.train.teacher import pretrained_teacher_dir
 

@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from kdexp import distributed, models
+from kdexp import assets, distributed, models
 from kdexp.config.checks import accumulation_steps
 from kdexp.data import batches, prepare
 from kdexp.track.metrics import IntervalMeter, MetricsFile, Progress, console_line, eval_line
@@ -95,11 +95,11 @@ def setup(cfg) -> Setup:
     accumulation = accumulation_steps(t.global_batch_size, t.micro_batch_size, st.dp_size)
     global_batch = t.micro_batch_size * st.dp_size * accumulation
     data = prepare(cfg.data, seq_length=t.seq_length, cache_dir=cfg.paths.cache, seed=t.seed,
-                   # the embedded teacher's pretraining reads micro x DP samples per step (no accumulation)
-                   train_samples=max(t.max_steps * global_batch,
+                   # a teacher pretrained here reads micro x DP samples per step (no accumulation)
+                   train_samples=max(t.max_steps * global_batch, 0 if assets.teacher_checkpoint(cfg.model) else
                                      cfg.model.teacher_pretrain_steps * t.micro_batch_size * st.dp_size),
                    val_samples=t.eval_iters * global_batch,
-                   tokenizer_path=cfg.data.tokenizer or cfg.model.teacher_path)
+                   tokenizer_path=assets.tokenizer_source(cfg)[1])
     teacher = get_teacher(cfg, data)
     if t.precision == "bf16" and next(teacher.parameters()).dtype != torch.bfloat16:
         teacher = models.cast(teacher, torch.bfloat16)  # frozen: no grads, no optimizer state, half the memory

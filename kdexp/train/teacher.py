@@ -1,8 +1,10 @@
-"""The frozen teacher: a real HF checkpoint, or the embedded tiny teacher pretrained once on the corpus and cached.
+"""The frozen teacher: a real HF checkpoint, the shipped tiny teacher, or the embedded tiny teacher pretrained once on
+the corpus and cached.
 
-No pretrained weights exist offline for the tiny Qwen3 shapes, so the first embedded run trains the teacher with the
-LM loss (logged as its own stage), saves it as a Hugging Face checkpoint in the cache directory, keyed by what made it,
-and every later run (any TP size) loads it back through ``load_hf`` like a real teacher. The cached copy carries a
+The embedded default loads the teacher shipped with the package (kdexp.assets: trained once by this project's recipe,
+with its tokenizer) like a real checkpoint, after checking its manifest. With model.embedded_teacher=pretrain the first
+embedded run trains the teacher with the LM loss (logged as its own stage), saves it as a Hugging Face checkpoint in
+the cache directory, keyed by what made it, and every later run (any TP size) loads it back through ``load_hf``. The cached copy carries a
 sha256 manifest (kdexp.data.cache): a truncated or garbled file is named in a warning and the teacher is pretrained
 again; a lock makes concurrent jobs on a cold cache pretrain it once.
 """
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kdexp import distributed, models
+from kdexp import assets, distributed, models
 from kdexp.data import batches
 from kdexp.data import cache as data_cache
 from kdexp.train import objectives, optim
@@ -27,6 +29,14 @@ def freeze(model: torch.nn.Module) -> torch.nn.Module:
     model.eval()
     model.requires_grad_(False)
     return model
+
+
+def check_shipped() -> None:
+    """The shipped teacher is intact (its sha256 manifest): a damaged install is an error, never a silent load."""
+    problem = data_cache.verify(assets.SHIPPED_TEACHER)
+    if problem:
+        raise RuntimeError(f"the shipped teacher is damaged: {problem}. Reinstall kdexp (or git checkout "
+                           "kdexp/assets/teacher), or set model.embedded_teacher=pretrain to pretrain one here")
 
 
 def pretrained_teacher_dir(cfg, data) -> Path:
@@ -97,8 +107,11 @@ def get_teacher(cfg, data) -> torch.nn.Module:
     """The frozen teacher: model.teacher_path's checkpoint, else the embedded teacher from the cache (pretrained here
     first when the cache has no intact copy). Call it on every rank."""
     dtype = models.DTYPES[cfg.model.params_dtype]
-    if cfg.model.teacher_path is not None:
-        return freeze(models.load_hf(cfg.model.teacher_path, params_dtype=dtype))
+    if assets.uses_shipped_teacher(cfg.model):
+        check_shipped()
+    checkpoint = assets.teacher_checkpoint(cfg.model)
+    if checkpoint is not None:
+        return freeze(models.load_hf(checkpoint, params_dtype=dtype))
     path = pretrained_teacher_dir(cfg, data)
     writer = distributed.is_rank0()
     # Global rank 0 holds the cache lock around check-train-save, so parallel jobs on a cold cache pretrain once;
