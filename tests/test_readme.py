@@ -297,6 +297,10 @@ COMMANDS: dict[str, How] = {
     "python -m kdexp.bench.teacher --curve 50 model.teacher_pretrain_lr=3e-3": How(
         "appended", "300 steps of the embedded teacher take minutes", ("--samples", "2", "experiment=smoke"),
         check=_teacher_curve),
+    "python -m kdexp.bench.teacher --curve 400 --samples 32 --save DIR model.teacher_pretrain_steps=2400 "
+    "model.teacher_pretrain_micro_batch_size=8 model.teacher_pretrain_min_lr=3e-5": How(
+        # the run itself takes ~55 CPU-minutes; its --save checkpoint is what kdexp/assets/teacher holds
+        "covered", "tests/test_shipped_teacher.py::test_its_recipe_reproduces_the_recorded_settings"),
     "python -m kdexp.bench.gpu": How("verbatim", check=_gpu_check, rc=-1),  # rc -1: 0 on a GPU, 1 without one
     "wandb sync <point>/wandb/offline-run-*": How("not here", "uploads to a W&B server (network and an account)"),
     ".ci/run": How("not here", "CI's entry point: `make test`, i.e. this suite"),
