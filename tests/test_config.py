@@ -183,6 +183,8 @@ BAD = [
     (["logger.wandb.project=''"], "logger.wandb.project", "non-empty"),
     (["logger.wandb.tags=['']"], "logger.wandb.tags", "1 to 64 characters"),
     (["paths.cache={d}/a_file"], "paths.cache", "not a file"),
+    (["launch.local_parallel=0"], "launch.local_parallel", ">= 1"),
+    (["launch.cpu_threads=0"], "launch.cpu_threads", ">= 1"),
     # loss and balancer (their rules live with the losses room; validate calls them)
     (["loss=top_p", "loss.top_p=1.5"], "loss.top_p", r"\(0, 1\]"),
     (["loss=top_p", "loss.top_p=0"], "loss.top_p", r"\(0, 1\]"),
@@ -299,10 +301,11 @@ def test_teacher_student_vocabulary_mismatch(tmp_path):
         validate(cfg_of(f"model.teacher_path={t}", f"model.student_path={s}"))
 
 
-def test_config_hash_ignores_logging_and_paths_only():
+def test_config_hash_ignores_logging_paths_and_launch_only():
     base = config_hash(cfg_of())
     assert config_hash(cfg_of("logger=none")) == base
     assert config_hash(cfg_of("paths.cache=/elsewhere")) == base
+    assert config_hash(cfg_of("launch.local_parallel=2", "launch.cpu_threads=1")) == base  # how, not what
     assert config_hash(cfg_of("balancer.alpha=0.5")) != base
     assert config_hash(cfg_of("loss=top_p")) != base
     assert OmegaConf.select(cfg_of(), "paths.index").endswith("points")

@@ -35,6 +35,9 @@ def test_before_after_arms_run_and_report(env, tmp_path):
     sweep = json.loads((sweep_dir / "sweep.json").read_text())
     assert [p["status"] for p in sweep["points"]] == ["finished"] * 8
     assert (sweep_dir / ".submitit").is_dir()  # each point ran in a submitit worker
+    # ... and took one of the local slots (kdexp.track.slots) before it trained: 1 on this 2-core box
+    logs = [p.read_text() for p in (sweep_dir / ".submitit").glob("*/*_log.out")]
+    assert len(logs) == 8 and all("local slot " in text for text in logs)
     arms, seeds = {}, {}
     for num in range(8):
         cfg = yaml.safe_load((sweep_dir / str(num) / ".hydra" / "config.yaml").read_text())

@@ -177,6 +177,8 @@ def _check_paths(cfg: Any) -> None:
         if p.exists() and not p.is_dir():
             fail(f"paths.{key}", value, "must be a directory (or not exist yet), not a file")
     text("experiment_arm", cfg.experiment_arm, none_ok=True)
+    integer("launch.local_parallel", cfg.launch.local_parallel, ge=1, none_ok=True)
+    integer("launch.cpu_threads", cfg.launch.cpu_threads, ge=1, none_ok=True)
 
 
 def _check_intermediate(cfg: Any) -> None:

@@ -7,7 +7,7 @@ import json
 from omegaconf import DictConfig, OmegaConf
 
 # Keys that do not change what a run computes: where files go and how it is watched.
-_IDENTITY_EXCLUDE = ("logger", "paths")
+_IDENTITY_EXCLUDE = ("logger", "paths", "launch")
 
 
 def config_hash(cfg: DictConfig) -> str:

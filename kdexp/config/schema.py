@@ -147,6 +147,16 @@ class PathsConfig:
 
 
 @dataclass
+class LaunchConfig:
+    # How points share this machine (kdexp.track.slots); not part of a point's identity (config_hash), like paths.
+    # Points of a submitit-local sweep (hydra/launcher=local_cpu) that train at once; null = one per 2 CPU cores.
+    local_parallel: Optional[int] = None
+    # torch intra-op CPU threads per process; null = the cores // local_parallel under the local executor, else
+    # torch's default.
+    cpu_threads: Optional[int] = None
+
+
+@dataclass
 class KdexpConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -157,6 +167,7 @@ class KdexpConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     experiment_arm: Optional[str] = None  # set by arm/* presets (experiment=qwen3_before_after)
 
 

@@ -9,6 +9,7 @@ Importing it registers the OmegaConf resolvers the configs refer to: ``kdexp_uid
   kdexp.track.hydra_adapter  the only use of Hydra internals (planning the points, a job's exception)
   kdexp.track.rundir         run and sweep dirs (stamp, uid, where a sweep's dir is)
   kdexp.track.records        the file formats (names, statuses, strict JSON, error logs, overrides)
+  kdexp.track.slots          how many points of a submitit-local sweep train at once (launch.local_parallel)
   kdexp.distributed.launch   global rank (only rank 0 writes)
 """
 from __future__ import annotations
@@ -21,7 +22,8 @@ from kdexp.track.naming import job_type, run_name, sweep_keys, wandb_group, wand
 from kdexp.track.points import progress_line, rebuild_sweep, record_failure, record_point, report_command
 from kdexp.track.records import STATUSES, override_key
 from kdexp.track.rundir import sweep_uid
+from kdexp.track.slots import take_local_slot
 
 __all__ = ["SweepCallback", "global_rank", "sweep_uid", "record_point", "record_failure", "rebuild_sweep",
            "progress_line", "report_command", "plan_points", "run_name", "sweep_keys", "override_key", "wandb_group",
-           "wandb_names", "job_type", "STATUSES"]
+           "wandb_names", "job_type", "STATUSES", "take_local_slot"]

@@ -98,6 +98,7 @@ def _run_point(cfg, run_dir: Path, multirun: bool, overrides: list, hc) -> dict:
     if rank0 and index.lookup(key) is None:
         index.claim(key, run_dir)
 
+    sweep.take_local_slot(cfg.launch, rundir.sweep_dir(hc) if multirun else None)  # local executor: wait for a slot
     started = time.perf_counter()
     _quiet_megatron()
     distributed.initialize(tensor_parallel=cfg.parallel.tensor, pipeline_parallel=cfg.parallel.pipeline,
