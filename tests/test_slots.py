@@ -161,3 +161,22 @@ def test_not_under_the_local_executor_nothing_is_taken(tmp_path, monkeypatch):
     monkeypatch.setenv("SUBMITIT_LOCAL_NTASKS", "2")  # a multi-task local job (torchrun-like): not capped
     assert not slots.under_local_executor()
     assert slots.take_local_slot(launch, tmp_path) is None
+
+
+def test_default_stamped_sweep_dir_is_one_dir_for_every_local_point(tmp_path):
+    # kdexp's own default, hydra.sweep.dir: multirun/${kdexp_stamp:} (date, time to the second, id). Each submitit
+    # worker resolves it in its own process, seconds after the submitting one (one at a time here: 1 slot): all must
+    # land in the submitting process's dir, and so share its slots.
+    script = write_app(tmp_path / "app", SLOT_TASK)
+    config = script.parent / "config.yaml"
+    config.write_text(config.read_text().replace("${oc.env:SWEEP_ROOT}/${now:%Y-%m-%d}/${kdexp_uid:}",
+                                                 "${oc.env:SWEEP_ROOT}/${kdexp_stamp:}"))
+    assert "kdexp_stamp" in config.read_text()
+    root = tmp_path / "sweeps"
+    r = run_app(script, ["x=1,2,3", "+par=1", "+hold=1.1", "hydra/launcher=local_cpu"], root)
+    assert r.returncode == 0, r.stdout + r.stderr
+    held = _held(root)  # exactly one sweep.json under root, holding all three points
+    assert len(held) == 3 and held[-1]["start"] - held[0]["start"] > 2  # the last resolved its dir seconds later
+    assert [h["slot"] for h in held] == [0, 0, 0]
+    for a, b in zip(held, held[1:]):
+        assert a["end"] <= b["start"]

@@ -34,8 +34,11 @@ def _stamp() -> str:
     return _stamp_value
 
 
+# use_cache=True, like kdexp_uid below: a submitit worker (local or SLURM) resolves hydra.sweep.dir in its own process,
+# seconds after the submitting one, and must get the submitting process's stamp from the pickled resolver cache, not
+# a time of its own (without it every local_cpu point of a default `multirun/${kdexp_stamp:}` sweep made its own dir).
 if not OmegaConf.has_resolver("kdexp_stamp"):
-    OmegaConf.register_new_resolver("kdexp_stamp", _stamp)
+    OmegaConf.register_new_resolver("kdexp_stamp", _stamp, use_cache=True)
 
 
 _UID: Optional[str] = None
