@@ -28,7 +28,8 @@ from kdexp.track import rundir, slots
 def task(cfg):
     sweep_dir = rundir.sweep_dir(HydraConfig.get())
     launch = OmegaConf.create({"local_parallel": cfg.get("par"), "cpu_threads": cfg.get("threads")})
-    slot = slots.take_local_slot(launch, sweep_dir)
+    waits = []
+    slot = slots.take_local_slot(launch, sweep_dir, on_wait=waits.append)
     import torch
 
     start = time.time()
@@ -44,7 +45,7 @@ def task(cfg):
     else:
         time.sleep(cfg.hold)
     rec = {"x": cfg.x, "slot": slot, "start": start, "end": time.time(), "threads": torch.get_num_threads(),
-           "pid": os.getpid()}
+           "pid": os.getpid(), "waits": waits}
     (Path(HydraConfig.get().runtime.output_dir) / "slot.json").write_text(json.dumps(rec))
     return {"val/score": float(cfg.x)}
 """
@@ -60,7 +61,7 @@ def _held(root) -> list[dict]:
 def test_one_slot_runs_the_points_one_after_another(tmp_path):
     script = write_app(tmp_path / "app", SLOT_TASK)
     root = tmp_path / "sweeps"
-    r = run_app(script, ["x=1,2,3", "+par=1", "+hold=1.0", "hydra/launcher=local_cpu"], root)
+    r = run_app(script, ["x=1,2,3", "+par=1", "+hold=2.0", "hydra/launcher=local_cpu"], root)
     assert r.returncode == 0, r.stdout + r.stderr
     held = _held(root)
     assert len({h["pid"] for h in held}) == 3  # each point in its own submitit worker process
@@ -68,6 +69,9 @@ def test_one_slot_runs_the_points_one_after_another(tmp_path):
     for a, b in zip(held, held[1:]):
         assert a["end"] <= b["start"], held  # submitit started all three at once; the slot ran them in turn
     assert all(h["threads"] == slots.cpu_cores() for h in held)  # one point at a time gets every core
+    # the first point took the free slot; the others were told when they started and stopped waiting
+    assert held[0]["waits"] == [] and all(h["waits"] in ([], [True, False]) for h in held[1:])
+    assert [True, False] in [h["waits"] for h in held[1:]]
     logs = "".join(p.read_text() for p in (Path(load_sweep(root)["sweep_dir"]) / ".submitit").glob("*/*_log.out"))
     assert "waiting for a local slot" in logs
 

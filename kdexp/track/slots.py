@@ -44,9 +44,11 @@ def under_local_executor() -> bool:
     return "SUBMITIT_LOCAL_JOB_ID" in os.environ and int(os.environ.get("SUBMITIT_LOCAL_NTASKS", "1")) == 1
 
 
-def acquire(sweep_dir, parallel: int, poll_s: float = 0.5) -> tuple[int, float]:
+def acquire(sweep_dir, parallel: int, poll_s: float = 0.5, on_wait=None) -> tuple[int, float]:
     """Block until one of `parallel` slots under `sweep_dir` is free, take it for the life of this process; returns
-    (slot index, seconds waited). Re-entrant: a process that already holds a slot gets it back at once."""
+    (slot index, seconds waited). Re-entrant: a process that already holds a slot gets it back at once.
+    `on_wait(waiting)`: called with True when all slots are taken and this process starts to wait, with False once
+    it has its slot after waiting (the point records itself as pending meanwhile)."""
     if isinstance(parallel, bool) or not isinstance(parallel, int) or parallel < 1:
         raise ValueError(f"launch.local_parallel={parallel!r} is invalid: must be an integer >= 1 (or null)")
     if _HELD:
@@ -66,23 +68,27 @@ def acquire(sweep_dir, parallel: int, poll_s: float = 0.5) -> tuple[int, float]:
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()}\n".encode())  # who holds it (for a person looking; the lock is the flock)
             _HELD.append((fd, i))
+            if said and on_wait is not None:
+                on_wait(False)
             return i, time.monotonic() - start
         if not said:
             log.info("waiting for a local slot: %d point(s) of this sweep train at once (launch.local_parallel)",
                      parallel)
             said = True
+            if on_wait is not None:
+                on_wait(True)
         time.sleep(poll_s)
 
 
-def take_local_slot(launch_cfg, sweep_dir) -> Optional[int]:
-    """What a sweep point does before it trains (kdexp.train.point): under the local executor take a slot; then set
-    torch's CPU threads. Returns the slot index, or None when not capped."""
+def take_local_slot(launch_cfg, sweep_dir, on_wait=None) -> Optional[int]:
+    """What a sweep point does before it trains (kdexp.train.point): under the local executor take a slot (`on_wait`
+    as in `acquire`); then set torch's CPU threads. Returns the slot index, or None when not capped."""
     import torch
 
     slot, parallel = None, None
     if under_local_executor() and sweep_dir is not None:
         parallel = launch_cfg.local_parallel if launch_cfg.local_parallel is not None else default_parallel()
-        slot, waited = acquire(sweep_dir, parallel)
+        slot, waited = acquire(sweep_dir, parallel, on_wait=on_wait)
     threads = launch_cfg.cpu_threads
     if threads is None and parallel is not None:
         threads = max(1, cpu_cores() // parallel)

@@ -98,7 +98,14 @@ def _run_point(cfg, run_dir: Path, multirun: bool, overrides: list, hc) -> dict:
     if rank0 and index.lookup(key) is None:
         index.claim(key, run_dir)
 
-    sweep.take_local_slot(cfg.launch, rundir.sweep_dir(hc) if multirun else None)  # local executor: wait for a slot
+    sweep_dir = rundir.sweep_dir(hc) if multirun else None
+
+    def waiting(flag: bool) -> None:  # the local executor: pending in sweep.json while it waits for a slot
+        if rank0:
+            sweep.record_point(run_dir, "pending" if flag else "running", waiting_for="a local slot" if flag else None)
+            sweep.rebuild_sweep(sweep_dir)
+
+    sweep.take_local_slot(cfg.launch, sweep_dir, on_wait=waiting)
     started = time.perf_counter()
     _quiet_megatron()
     distributed.initialize(tensor_parallel=cfg.parallel.tensor, pipeline_parallel=cfg.parallel.pipeline,
