@@ -97,7 +97,12 @@ class Shard:
         return vals.to(cdtype), gidx
 
     def local_index(self, gidx: torch.Tensor, keep: torch.Tensor | None = None):
-        """(local column or `local_vocab` (a scratch column) where not owned / not kept, owned mask)."""
+        """(local column or `local_vocab` (a scratch column) where not owned / not kept, owned mask). Without TP every
+        index is owned: (gidx itself, None) when nothing is masked either, no pass over the indices."""
+        if self.world == 1:
+            if keep is None:
+                return gidx, None
+            return torch.where(keep, gidx, self.local_vocab), keep
         lidx = gidx - self.offset
         owned = (lidx >= 0) & (lidx < self.local_vocab)
         if keep is not None:

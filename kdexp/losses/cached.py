@@ -25,7 +25,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from kdexp.losses._shard import Shard
-from kdexp.losses.logits import KDStats, _chunk_rows, _LogitsKD, _load_, _lse_, _scaled, make_cfg
+from kdexp.losses.logits import KDStats, _chunk_rows, _LogitsKD, _load_, _lse_, _mask_at_, _scaled, make_cfg
 
 __all__ = ["TeacherRecord", "teacher_topk_record", "cached_kd_loss"]
 
@@ -75,7 +75,7 @@ def teacher_topk_record(teacher_logits: torch.Tensor, k_max: int, temperatures: 
         lidx, _ = shard.local_index(gidx)
         for j, t in enumerate(temps):
             xt, offset = _load_(buf[: r.stop - r.start], x, t, m)
-            lc = _lse_(xt.scatter_(1, lidx, -math.inf), shard, offset)[0]  # outside the top-k_max
+            lc = _lse_(_mask_at_(xt, lidx), shard, offset)[0]  # outside the top-k_max
             rest[r, j] = lc
             lse[r, j] = torch.logsumexp(torch.cat([lc[:, None], _scaled(centred, t)], 1), 1)
     return TeacherRecord(values.view(*lead, k_max), indices.view(*lead, k_max), lse.view(*lead, len(temps)),
@@ -135,13 +135,14 @@ def cached_kd_loss(
         kept_vals, tail = vals[:, :top_k], vals[:, top_k:]
         z = lz[r].to(cd)
         a = kept_vals - z[:, None]
-        keep = torch.ones_like(a, dtype=torch.bool)
+        outside = [lr[r].to(cd)[:, None], tail]  # log-sum-exps of what is not kept: beyond K_max, entries k..K_max
+        keep = None  # every candidate kept (no nucleus cut)
         if cfg.top_p is not None:  # the online cut: float64 cumsum over the sorted candidates, min-K floor
             p = a.double().exp()
             cum = p.cumsum(1)
             keep = (cum - p < cfg.top_p) | (torch.arange(top_k, device=a.device) < cfg.min_k)
-        cut = torch.where(keep, torch.full_like(kept_vals, -math.inf), kept_vals)
-        lr_t = torch.logsumexp(torch.cat([lr[r].to(cd)[:, None], tail, cut], 1), 1) - z
+            outside.append(torch.where(keep, torch.full_like(kept_vals, -math.inf), kept_vals))
+        lr_t = (torch.logsumexp(torch.cat(outside, 1), 1) if len(outside) > 2 or tail.shape[1] else outside[0][:, 0]) - z
         return ix[r, :top_k], keep, a, lr_t
 
     stats: dict | None = {} if return_stats else None

@@ -23,22 +23,30 @@ import math
 import torch
 
 
-def bucket_divergence(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor, divergence: str, beta: float):
-    """Per-token divergence over buckets and dL/db. a, b: [c, B] log-probs; valid: [c, B] bool. Invalid buckets
-    (not kept, or an empty ghost) contribute exactly zero to the loss and to the gradient."""
-    zero = a.new_zeros(())
-    a0 = torch.where(valid, a, zero)
-    b0 = torch.where(valid, b, zero)
-    w = valid.to(a.dtype)
+def bucket_divergence(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor | None, divergence: str, beta: float):
+    """Per-token divergence over buckets and dL/db. a, b: [c, B] log-probs; valid: [c, B] bool, or None when every
+    bucket is valid (no masking passes). Invalid buckets (not kept, or an empty ghost) contribute exactly zero to the
+    loss and to the gradient. The divergence is a sum of per-bucket terms: buckets may be split over calls."""
+    if valid is None:
+        a0, b0, w = a, b, None
+    else:
+        zero = a.new_zeros(())
+        a0 = torch.where(valid, a, zero)
+        b0 = torch.where(valid, b, zero)
+        w = valid.to(a.dtype)
+
+    def masked(x):
+        return x if w is None else x.mul_(w)
+
     if divergence == "forward_kl":
-        p = a0.exp() * w
+        p = masked(a0.exp())
         return (p * (a0 - b0)).sum(-1), -p
     if divergence == "reverse_kl":
-        q = b0.exp() * w
+        q = masked(b0.exp())
         d = b0 - a0
         return (q * d).sum(-1), q * (d + 1.0)
-    p = a0.exp() * w
-    q = b0.exp() * w
+    p = masked(a0.exp())
+    q = masked(b0.exp())
     m = torch.logaddexp(a0 + math.log(beta), b0 + math.log1p(-beta))
     qbm = q * (b0 - m)
     loss = beta * (p * (a0 - m)).sum(-1) + (1.0 - beta) * qbm.sum(-1)

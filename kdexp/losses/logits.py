@@ -229,6 +229,12 @@ def _dense_chunks(student: torch.Tensor, teacher: torch.Tensor, rows: int, tempe
         yield r, _load_(bt[:c], teacher[r], temperature, ct), _load_(bs[:c], student[r], temperature, cs)
 
 
+def _mask_at_(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x[r, idx[r, j]] = -inf in place (the kept set out of a chunk). From an expanded -inf tensor, not the scalar
+    overload: the same writes, ~3x faster on CPU (1M entries: 0.54 ms against 1.64 ms)."""
+    return x.scatter_(1, idx, x.new_full((), -math.inf).expand(idx.shape))
+
+
 # Fused row kernels: one pass over the chunk instead of max/sub/exp/sum passes. On CPU they run in place (ATen's
 # out= variants read each element before writing it); elsewhere they return a new chunk-sized tensor.
 def _log_softmax_(x: torch.Tensor) -> torch.Tensor:
@@ -359,7 +365,7 @@ class _LogitsKD(torch.autograd.Function):
             if coef is None:  # renormalize: the loss depends on the kept logits only
                 x = buf[:c].zero_()
             else:
-                x = _load_(buf[:c], student[r], cfg.temperature, centre)[0].scatter_(1, lidx, -math.inf)
+                x = _mask_at_(_load_(buf[:c], student[r], cfg.temperature, centre)[0], lidx)
                 # softmax over this rank's entries outside S = exp(s - lse_loc); coef[1] = exp(lse_loc - lse_notS).
                 # Rows whose local entries are all in S come out NaN and are overwritten whole by the scatter.
                 x = _softmax_(x).mul_(coef[0][:, None] * sc)
@@ -369,8 +375,9 @@ class _LogitsKD(torch.autograd.Function):
 
 
 def _teacher_side(teacher, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool):
-    """The teacher half of one Top-K / Top-P chunk: (global indices of the candidates, kept mask, teacher log-probs
-    of the candidates (unnormalised when not needed), teacher log-residual outside the kept set or None)."""
+    """The teacher half of one Top-K / Top-P chunk: (global indices of the candidates, kept mask (None: every
+    candidate is kept, no nucleus cut), teacher log-probs of the candidates (unnormalised when not needed), teacher
+    log-residual outside the kept set or None)."""
     neg_inf = torch.tensor(-math.inf, dtype=cd, device=teacher.device)
     growing = cfg.top_k is None  # Top-P over the whole vocabulary: grow the candidate set until the nucleus fits
     # Renormalised Top-K needs neither full-vocabulary normaliser (only for the stats).
@@ -380,13 +387,13 @@ def _teacher_side(teacher, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool):
         vals, gidx = shard.global_topk(teacher, k, cd, sort=cfg.top_p is not None)
         m_t = vals.amax(1)  # the teacher's global row max: its top-1 is in every global top-k
         vals = _scaled(vals - m_t[:, None], cfg.temperature)
-        keep = torch.ones_like(vals, dtype=torch.bool)
+        keep = None
         if not need_t:
             a = vals  # unnormalised: only differences within S matter below
             break
         lidx, _ = shard.local_index(gidx)
         xt, offset = _load_(buf, teacher, cfg.temperature, m_t)
-        lc_t = _lse_(xt.scatter_(1, lidx, -math.inf), shard, offset)[0]
+        lc_t = _lse_(_mask_at_(xt, lidx), shard, offset)[0]
         lse_t = torch.logsumexp(torch.cat([lc_t[:, None], vals], 1), 1)  # non-candidates + candidates
         a = vals - lse_t[:, None]
         if cfg.top_p is None:
@@ -400,7 +407,9 @@ def _teacher_side(teacher, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool):
         if not shard.any(bool((cum[:, -1] < cfg.top_p + 1e-6).any()), a.device):
             break
         k = min(shard.vocab, 4 * k)
-    if need_t:  # teacher residual: non-candidates plus candidates outside the nucleus
+    if need_t and keep is None:  # teacher residual: the non-candidates
+        lr_t = lc_t - lse_t
+    elif need_t:  # ... plus the candidates outside the nucleus
         lr_t = torch.logsumexp(torch.cat([lc_t[:, None], torch.where(keep, neg_inf, vals)], 1), 1) - lse_t
     if growing:  # keep is a prefix: drop the columns no token keeps (the candidate set may be far wider)
         kk = int(keep.sum(1).max())
@@ -417,15 +426,23 @@ def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, g
     # Student: kept logits gathered from the owning ranks (zeros elsewhere, then SUM: exact), centred on the row max
     # (global, all ranks), log-sum-exp outside S. Renormalised without stats only differences within S matter, so
     # the max over S centres them without a pass over the vocabulary.
+    # keep None: every candidate is kept (no nucleus cut), nothing to mask. Without TP there is nothing to sum
+    # either: entries not kept gather column vl - 1 and are masked to -inf just below.
     lidx, owned = shard.local_index(gidx, keep)
-    sv = student.gather(1, lidx.clamp_max(vl - 1)).to(cd)
-    sv = shard.all_reduce_(torch.where(owned, sv, torch.zeros_like(sv)))
-    m_s = shard.row_max(student, cd) if need_s else torch.where(keep, sv, neg_inf).amax(1)
-    sv = torch.where(keep, _scaled(sv - m_s[:, None], cfg.temperature), neg_inf)
-    a_kept = torch.where(keep, a, neg_inf)
+    sv = student.gather(1, lidx if owned is None else lidx.clamp_max(vl - 1)).to(cd)
+    if shard.world > 1:
+        sv = shard.all_reduce_(torch.where(owned, sv, torch.zeros_like(sv)))
+    if need_s:
+        m_s = shard.row_max(student, cd)
+    else:
+        m_s = (sv if keep is None else torch.where(keep, sv, neg_inf)).amax(1)
+    sv = _scaled(sv - m_s[:, None], cfg.temperature)
+    if keep is not None:
+        sv = torch.where(keep, sv, neg_inf)
+    a_kept = a if keep is None else torch.where(keep, a, neg_inf)
     if need_s:
         xs, offset = _load_(buf, student, cfg.temperature, m_s)
-        lns, lns_loc, _ = _lse_(xs.scatter_(1, lidx, -math.inf), shard, offset)
+        lns, lns_loc, _ = _lse_(_mask_at_(xs, lidx), shard, offset)
         lse_s = torch.logsumexp(torch.cat([lns[:, None], sv], 1), 1)
         b = sv - lse_s[:, None]
         lr_s = lns - lse_s
@@ -439,13 +456,12 @@ def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, g
         cand_grad = g - b_r.exp() * g.sum(1, keepdim=True)
         coef = None
     else:
-        if cfg.ghost:
-            ghost_ok = torch.isfinite(lr_t)[:, None]  # -inf: S is the whole vocabulary, no residual bucket
-            loss, g = bucket_divergence(torch.cat([a_kept, lr_t[:, None]], 1), torch.cat([b, lr_s[:, None]], 1),
-                                        torch.cat([keep, ghost_ok], 1), cfg.divergence, cfg.beta)
-            g, h = g[:, :-1], g[:, -1]
+        loss, g = bucket_divergence(a_kept, b, keep, cfg.divergence, cfg.beta)
+        if cfg.ghost:  # the ghost bucket: its term of the same sum (invalid where lr_t is -inf: S is everything)
+            ghost, h = bucket_divergence(lr_t[:, None], lr_s[:, None], torch.isfinite(lr_t)[:, None],
+                                         cfg.divergence, cfg.beta)
+            loss, h = loss + ghost, h[:, 0]
         else:
-            loss, g = bucket_divergence(a_kept, b, keep, cfg.divergence, cfg.beta)
             h = torch.zeros_like(loss)
         gsum = g.sum(1) + h
         cand_grad = g - b.exp() * gsum[:, None]
@@ -455,6 +471,7 @@ def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, g
     out = {"loss": loss, "gidx": gidx, "keep": keep, "cand_grad": cand_grad, "coef": coef, "centre": m_s}
     if want_stats:
         out.update(teacher_kept_mass=torch.logsumexp(a_kept, 1).exp(), student_kept_mass=torch.logsumexp(b, 1).exp(),
-                   nucleus_size=keep.sum(1).to(cd), teacher_residual_mass=lr_t.exp(),
+                   nucleus_size=(torch.full_like(lr_s, b.shape[1]) if keep is None else keep.sum(1).to(cd)),
+                   teacher_residual_mass=lr_t.exp(),
                    student_residual_mass=lr_s.exp())
     return out

@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 
 from kdexp.losses._shard import Shard
+from kdexp.losses.logits import _lse_, _load_
 
 _CHUNK_BYTES = 64 << 20  # scratch per chunk of rows (float64 cumsum when sampling, float32 softmax in backward)
 
@@ -205,7 +206,12 @@ def importance_weights(counts: torch.Tensor, log_ratio: torch.Tensor | None = No
 
 
 class _SparseCE(torch.autograd.Function):
-    """-sum_i w_i log softmax(z / T)_{id_i} (+ sum_i w_i log p_i), the student's softmax over the global vocabulary."""
+    """-sum_i w_i log softmax(z / T)_{id_i} (+ sum_i w_i log p_i), the student's softmax over the global vocabulary.
+
+    Per chunk of rows the vocabulary is read into one reused scratch buffer (logits.py's `_load_`) and its
+    log-sum-exp taken by the fused in-place log-softmax (`_lse_`): forward is a copy and one fused pass; backward a
+    copy, exp(z/T - lse) in place, one scale and a scatter of the weights (ids not on this rank land in a scratch
+    column), as dense as a cross-entropy."""
 
     @staticmethod
     def forward(ctx, z, ids, weights, teacher_logprobs, temperature, scale, tp_group):
@@ -216,21 +222,23 @@ class _SparseCE(torch.autograd.Function):
         ids2 = ids.reshape(n, -1)
         w2 = weights.reshape(n, -1).to(cdtype)
         lidx, owned = shard.local_index(ids2)
+        gather_idx = lidx if owned is None else lidx.clamp(max=vl - 1)
         lse = torch.empty(n, dtype=cdtype, device=z.device)
         picked = torch.empty_like(w2)
-        rows = _rows(vl * 4 * 2, n)
+        rows = _rows((vl + 1) * torch.finfo(cdtype).bits // 8, n)
+        buf = torch.empty(rows, vl + 1, dtype=cdtype, device=z.device)
         for lo in range(0, n, rows):
-            s = z2[lo:lo + rows].to(cdtype) / temperature
-            m = shard.row_max(s, cdtype)
-            lse[lo:lo + rows] = shard.logsumexp_(torch.logsumexp(s - m[:, None], dim=1)) + m
-            g = s.gather(1, lidx[lo:lo + rows].clamp(max=vl - 1))
-            picked[lo:lo + rows] = torch.where(owned[lo:lo + rows], g, torch.zeros_like(g))
-        shard.all_reduce_(picked)  # each id's student logit / T from the rank that owns it
+            hi = min(n, lo + rows)
+            x, _ = _load_(buf[: hi - lo], z2[lo:hi], temperature, None)  # z / T; the scratch column is -inf
+            picked[lo:hi] = x.gather(1, gather_idx[lo:hi])
+            lse[lo:hi] = _lse_(x, shard)[0]  # consumes x
+        if owned is not None:  # each id's student logit / T from the rank that owns it
+            shard.all_reduce_(picked.masked_fill_(~owned, 0.0))
         log_s = picked - lse[:, None]
         target = teacher_logprobs.reshape(n, -1).to(cdtype) if teacher_logprobs is not None else 0.0
         loss = (w2 * (target - log_s)).sum(1) * scale
         ctx.save_for_backward(z2, lidx, owned, w2, lse)
-        ctx.temperature, ctx.scale, ctx.shape = temperature, scale, z.shape
+        ctx.temperature, ctx.scale, ctx.shape, ctx.rows = temperature, scale, z.shape, rows
         return loss.reshape(z.shape[:-1])
 
     @staticmethod
@@ -239,17 +247,18 @@ class _SparseCE(torch.autograd.Function):
         n, vl = z2.shape
         go = grad_out.reshape(n).to(w2.dtype) * (ctx.scale / ctx.temperature)
         grad = torch.empty_like(z2)
-        wsum = w2.sum(1)
-        w_local = torch.where(owned, w2, torch.zeros_like(w2))
-        rows = _rows(vl * 4 * 2, n)
+        coef = w2.sum(1) * go  # dL/d(z/T) = go * ((sum w) s - w)
+        w_go = w2 * go[:, None]
+        if owned is not None:
+            w_go.masked_fill_(~owned, 0.0)  # (their index is the scratch column anyway)
+        rows = ctx.rows
+        buf = torch.empty(rows, vl + 1, dtype=w2.dtype, device=z2.device)
         for lo in range(0, n, rows):
-            hi = lo + rows
-            q = (z2[lo:hi].to(w2.dtype) / ctx.temperature - lse[lo:hi, None]).exp_()
-            q.mul_(wsum[lo:hi, None])
-            extra = torch.zeros(q.shape[0], vl + 1, dtype=q.dtype, device=q.device)  # column vl: ids not owned here
-            extra.scatter_add_(1, lidx[lo:hi], w_local[lo:hi])
-            q.sub_(extra[:, :vl]).mul_(go[lo:hi, None])
-            grad[lo:hi] = q.to(grad.dtype)
+            hi = min(n, lo + rows)
+            x, _ = _load_(buf[: hi - lo], z2[lo:hi], ctx.temperature, None)
+            x.sub_(lse[lo:hi, None]).exp_().mul_(coef[lo:hi, None])  # the student softmax, scaled
+            x.scatter_add_(1, lidx[lo:hi], w_go[lo:hi].neg())
+            grad[lo:hi].copy_(x[:, :vl])
         return grad.reshape(ctx.shape), None, None, None, None, None, None
 
 
