@@ -191,8 +191,7 @@ def _gpu_check(proc, cwd):
 
 
 SMOKE = ("experiment=smoke",)
-_TC_SWEEP = ("python -m kdexp.run -m experiment=smoke logger=none loss.top_p=0.8,0.9,0.95 balancer.alpha=0.5,1.0 "
-             "trainer.max_steps=20 trainer.eval_interval=20 trainer.checkpoint_interval=20 trainer.log_interval=5")
+_TC_SWEEP = "python -m kdexp.run -m logger=none loss.top_p=0.8,0.9,0.95 balancer.alpha=0.5,1.0 trainer.reuse_finished=false"
 COMMANDS: dict[str, How] = {
     "python -m kdexp.run teacher=cached": How(
         "covered", "tests/test_teacher_cache_run.py::test_cached_run_builds_the_cache_and_matches_the_online_run"),
@@ -203,11 +202,15 @@ COMMANDS: dict[str, How] = {
         "covered", "tests/test_teacher_cache_run.py::test_sampled_kd_from_the_cache_and_a_second_point_reuses_it"),
     "torchrun --nproc-per-node 2 -m kdexp.run parallel.tensor=2 teacher=cached": How(
         "covered", "tests/test_teacher_cache_run.py::test_torchrun_tp2_from_the_cache_matches_tp1"),
-    _TC_SWEEP: How("not here", "the measurement itself: 6 runs of 20 steps, minutes on this shared CPU; one online vs "
-                   "cached smoke pair is tests/test_teacher_cache_run.py"),
+    _TC_SWEEP: How("not here", "the measurement itself: 6 runs of 200 steps take minutes; one online vs cached smoke "
+                   "pair is tests/test_teacher_cache_run.py"),
     _TC_SWEEP + " teacher=cached": How("not here", "the measurement itself, as above"),
-    "python -m kdexp.bench.step --steps 10 --warmup 2 experiment=smoke logger=none teacher=cached": How(
+    "python -m kdexp.bench.step logger=none teacher=cached": How(
         "covered", "tests/test_teacher_cache_run.py::test_cached_run_builds_the_cache_and_matches_the_online_run"),
+    "python -m kdexp.bench.step logger=none teacher=cached loss=sampled": How(
+        "covered", "tests/test_teacher_cache_run.py::test_sampled_kd_from_the_cache_and_a_second_point_reuses_it"),
+    "python -m kdexp.bench.step logger=none": How(
+        "appended", "as above", ("--steps", "2", "--warmup", "1", "experiment=smoke"), check=_step_bench),
     "python -m kdexp.bench.step teacher=cached": How(
         "covered", "tests/test_teacher_cache_run.py::test_cached_run_builds_the_cache_and_matches_the_online_run"),
     "make run": How("dry-run", check=_make_dry_run(".venv/bin/python -m kdexp.run ")),

@@ -149,6 +149,12 @@ def test_sampled_kd_from_the_cache_and_a_second_point_reuses_it(cached_run, env,
     assert other[0]["train/kd_loss"] == pytest.approx(train[0]["train/kd_loss"], rel=1e-6)
     assert other[-1]["train/kd_loss"] != pytest.approx(train[-1]["train/kd_loss"], rel=1e-6)
 
+    # bench.step from the sampled cache (README's `kdexp.bench.step teacher=cached loss=sampled`): reused, not rebuilt
+    bench = _run(["--steps", "2", "--warmup", "1", *CACHED["sampled"]], env, tmp_path, module="kdexp.bench.step")
+    assert bench.returncode == 0, bench.stderr[-4000:]
+    assert "one teacher pass" not in bench.stdout + bench.stderr
+    assert "KD train step from the teacher cache" in bench.stdout and "KD overhead: " in bench.stdout
+
 
 def _same_run(a: Path, b: Path, rel: float) -> None:
     """The losses of every step and the final metrics of two runs agree within `rel` (as test_train's TP test: a
