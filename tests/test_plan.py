@@ -122,7 +122,7 @@ def test_the_smoke_plan_item_by_item():
     assert items["logit gradients"] == 2 * n * v * 4  # KD's and LM's (alpha=0.9)
     assert items["KD loss saved values"] == n * (1024 * (8 + 1 + 4) + 8 + 24)  # top_k=1024: int64 + bool + fp32
     # 128 rows fit the loss's 4 MiB minimum chunk: its [rows, V+1] buffer and the [rows, K+1] temporaries
-    assert items["KD loss chunk buffer"] == n * (v + 1 + sizing.KD_CHUNK_K_ARRAYS * 1025) * 4
+    assert items["KD loss chunk buffer"] == n * (v + 1 + sizing.KD_CHUNK_K_ARRAYS * 1025) * 4  # no nucleus cut
     assert items["attention score buffer"] == 2 * 4 * 64 * 64 * 4  # micro x heads (4, both) x s x s, fp32
     assert p.peak == sum(items.values()) and p.reserve == GiB + 0.05 * p.peak
     assert p.flops["total"] == sizing.flops_per_token(student, 64, backward=True) + \
@@ -212,4 +212,34 @@ def test_the_plan_bounds_a_real_train_step_from_above(overrides):
     items = {name: b for name, b, _ in make_plan(cfg).items}
     kept = ("teacher weights", "student weights", "optimizer state", "attention score buffer")  # before the step
     planned = sum(b for name, b in items.items() if name not in kept)
-    assert 1.0 <= planned / measured.peak <= 1.25, (planned, measured.peak, items)
+    # The plan adds every item at once. At these tiny shapes the KD loss's forward working set (chunk buffer,
+    # O(K) temporaries) and the backward's buffers (logit gradients, LM softmax, student gradients) are a large share
+    # and never all live together, so the bound is looser here than the loss's own (next test: within 1.15); at real
+    # scale activations and logits dominate both phases.
+    assert 1.0 <= planned / measured.peak <= 1.6, (planned, measured.peak, items)
+
+
+@pytest.mark.parametrize("overrides,tight", [((), 1.15), (("loss=top_p", "loss.top_k=1024"), 1.15),
+                                             (("loss=dense", "balancer.alpha=1.0"), 1.15),
+                                             # no top_k: the plan sizes the 1,024 initial candidates, the loss keeps
+                                             # only the widest nucleus of the chunk
+                                             (("loss=top_p",), 1.4)])
+def test_the_plan_bounds_the_kd_loss_alone(overrides, tight):
+    """The KD loss's fwd+bwd on the step's [tokens, V] logits (stats on, as the trainer asks): the peak of the storages
+    it creates against the plan's loss items (chunk buffer + O(K) temporaries, saved values, the KD logit gradient):
+    an upper bound, and a tight one."""
+    from kdexp.bench.losses import PeakTensorMemory
+    from kdexp.losses import logits_kd_loss
+    from kdexp.losses.options import KDLossOptions
+
+    cfg = _cfg("logger=none", *overrides)
+    n, v = cfg.trainer.micro_batch_size * cfg.trainer.seq_length, cfg.data.vocab_size
+    torch.manual_seed(0)
+    student, teacher = (torch.randn(n, v) * 3).requires_grad_(), torch.randn(n, v) * 3
+    with PeakTensorMemory() as measured:
+        loss, _ = logits_kd_loss(student, teacher, return_stats=True, **KDLossOptions.from_config(cfg.loss).kwargs())
+        loss.sum().backward()
+    items = {name: b for name, b, _ in make_plan(cfg).items}
+    planned = items["KD loss chunk buffer"] + items["KD loss saved values"] + n * v * 4
+    # (1 KiB of 0-d scalars and per-row constants is not planned)
+    assert planned + 1024 >= measured.peak and planned / measured.peak <= tight, (planned, measured.peak)

@@ -34,7 +34,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # options may follow the overrides (README lines + --steps N)
     if args.steps < 1 or args.warmup < 0:
         ap.error(f"--steps must be >= 1 and --warmup >= 0, got --steps {args.steps} --warmup {args.warmup}")
     with initialize_config_module(config_module="kdexp.conf", version_base="1.3"):

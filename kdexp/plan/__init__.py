@@ -164,7 +164,8 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     kd_saved = sizing.kd_saved_per_token(top_k, top_p, TOP_P_INITIAL_K)
     logits = sizing.logits_bytes(tokens, vocab, e, needs_lm=needs_lm, kd_saved=kd_saved,
                                  chunk_rows=_chunk_rows(tokens, vocab),
-                                 kept=0 if top_k is None and top_p is None else (top_k or TOP_P_INITIAL_K))
+                                 kept=0 if top_k is None and top_p is None else (top_k or TOP_P_INITIAL_K),
+                                 cut=top_p is not None)
     shape = f"[{tokens}, {vocab}]"
     notes = {"teacher logits": f"{shape} {dt}", "student logits": f"{shape} {dt}",
              "LM loss fp32 softmax": f"{shape} fp32", "KD loss saved values": f"top_k={top_k} top_p={top_p}",

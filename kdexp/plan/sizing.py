@@ -116,17 +116,23 @@ def kd_saved_per_token(top_k: int | None, top_p: float | None, initial_k: int) -
     return k * (8 + 1 + 4) + 2 * 4 + stats
 
 
-KD_CHUNK_K_ARRAYS = 8  # [rows, K+1] fp32-sized temporaries of one chunk live at once (7 seen at a CPU step's peak)
+# [rows, K+1] fp32-sized temporaries of one chunk of the KD loss live at once at its peak, beyond its [rows, V/t + 1]
+# buffer, its saved values and the logit gradient (tests/test_plan.py::test_the_plan_bounds_the_kd_loss_alone measures
+# the loss's peak: ~2.8 for Top-K, ~9 with a nucleus cut, whose float64 cumsum and keep mask widen the chunk).
+KD_CHUNK_K_ARRAYS = 3
+KD_CHUNK_K_ARRAYS_CUT = 9
 
 
 def logits_bytes(tokens: int, local_vocab: int, act_bytes: int, *, needs_lm: bool, kd_saved: float,
-                 chunk_rows: int, kept: int = 0) -> dict[str, float]:
+                 chunk_rows: int, kept: int = 0, cut: bool = False) -> dict[str, float]:
     """The logit-sized buffers at the start of the backward pass (their peak), per TP rank:
     teacher and student logits [tokens, V/t] (both kept by the KD loss and the step); the LM loss's fp32 copy (which
     megatron's vocab-parallel cross-entropy turns into its saved softmax) when the balancer needs it; the KD loss's
     O(K) values; the logit gradients (the KD loss's, plus the LM loss's cast to the logits' dtype); the KD loss's
-    fp32 chunk buffer [rows, V/t + 1] and its chunk's `kept`-wide temporaries (top-k values and indices, kept
-    log-probs, divergence terms and gradients: small at real scale, where K << V/t)."""
+    fp32 chunk buffer [rows, V/t + 1] (dense: two [rows, V/t], teacher and student) and its chunk's `kept`-wide
+    temporaries (top-k values and indices, kept
+    log-probs, divergence terms and gradients: small at real scale, where K << V/t; more with a nucleus `cut`)."""
+    k_arrays = KD_CHUNK_K_ARRAYS_CUT if cut else KD_CHUNK_K_ARRAYS
     v = tokens * local_vocab
     return {
         "teacher logits": v * act_bytes,
@@ -134,7 +140,8 @@ def logits_bytes(tokens: int, local_vocab: int, act_bytes: int, *, needs_lm: boo
         "LM loss fp32 softmax": v * 4 if needs_lm else 0.0,
         "KD loss saved values": tokens * kd_saved,
         "logit gradients": v * act_bytes * (2 if needs_lm else 1),
-        "KD loss chunk buffer": chunk_rows * (local_vocab + 1 + KD_CHUNK_K_ARRAYS * (kept + 1 if kept else 0)) * 4,
+        "KD loss chunk buffer": (chunk_rows * (local_vocab + 1 + k_arrays * (kept + 1)) * 4 if kept else
+                                 2 * chunk_rows * local_vocab * 4),  # dense: a teacher and a student chunk
     }
 
 
