@@ -142,7 +142,7 @@ def cached_kd_loss(
             cum = p.cumsum(1)
             keep = (cum - p < cfg.top_p) | (torch.arange(top_k, device=a.device) < cfg.min_k)
             outside.append(torch.where(keep, torch.full_like(kept_vals, -math.inf), kept_vals))
-        lr_t = (torch.logsumexp(torch.cat(outside, 1), 1) if len(outside) > 2 or tail.shape[1] else outside[0][:, 0]) - z
+        lr_t = torch.logsumexp(torch.cat(outside, 1), 1) - z  # one column (top_k = K_max, no cut): that column
         return ix[r, :top_k], keep, a, lr_t
 
     stats: dict | None = {} if return_stats else None

@@ -237,20 +237,18 @@ class _SparseCE(torch.autograd.Function):
         log_s = picked - lse[:, None]
         target = teacher_logprobs.reshape(n, -1).to(cdtype) if teacher_logprobs is not None else 0.0
         loss = (w2 * (target - log_s)).sum(1) * scale
-        ctx.save_for_backward(z2, lidx, owned, w2, lse)
+        ctx.save_for_backward(z2, lidx, w2, lse)
         ctx.temperature, ctx.scale, ctx.shape, ctx.rows = temperature, scale, z.shape, rows
         return loss.reshape(z.shape[:-1])
 
     @staticmethod
     def backward(ctx, grad_out):
-        z2, lidx, owned, w2, lse = ctx.saved_tensors
+        z2, lidx, w2, lse = ctx.saved_tensors
         n, vl = z2.shape
         go = grad_out.reshape(n).to(w2.dtype) * (ctx.scale / ctx.temperature)
         grad = torch.empty_like(z2)
         coef = w2.sum(1) * go  # dL/d(z/T) = go * ((sum w) s - w)
-        w_go = w2 * go[:, None]
-        if owned is not None:
-            w_go.masked_fill_(~owned, 0.0)  # (their index is the scratch column anyway)
+        w_go = w2 * go[:, None]  # ids not on this rank index the scratch column: no mask needed
         rows = ctx.rows
         buf = torch.empty(rows, vl + 1, dtype=w2.dtype, device=z2.device)
         for lo in range(0, n, rows):

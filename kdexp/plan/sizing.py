@@ -130,8 +130,8 @@ def logits_bytes(tokens: int, local_vocab: int, act_bytes: int, *, needs_lm: boo
     megatron's vocab-parallel cross-entropy turns into its saved softmax) when the balancer needs it; the KD loss's
     O(K) values; the logit gradients (the KD loss's, plus the LM loss's cast to the logits' dtype); the KD loss's
     fp32 chunk buffer [rows, V/t + 1] (dense: two [rows, V/t], teacher and student) and its chunk's `kept`-wide
-    temporaries (top-k values and indices, kept
-    log-probs, divergence terms and gradients: small at real scale, where K << V/t; more with a nucleus `cut`)."""
+    temporaries (top-k values and indices, kept log-probs, divergence terms and gradients: small at real scale, where
+    K << V/t; more with a nucleus `cut`)."""
     k_arrays = KD_CHUNK_K_ARRAYS_CUT if cut else KD_CHUNK_K_ARRAYS
     v = tokens * local_vocab
     return {
