@@ -25,7 +25,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from kdexp.losses._shard import Shard
-from kdexp.losses.logits import KDStats, _chunk_rows, _LogitsKD, _load_, _lse_, _mask_at_, _scaled, make_cfg
+from kdexp.losses.logits import KDStats, _chunk_rows, _LogitsKD, _load_, _mask_at_, _masked_lse_, _scaled, make_cfg
 
 __all__ = ["TeacherRecord", "teacher_topk_record", "cached_kd_loss"]
 
@@ -75,7 +75,7 @@ def teacher_topk_record(teacher_logits: torch.Tensor, k_max: int, temperatures: 
         lidx, _ = shard.local_index(gidx)
         for j, t in enumerate(temps):
             xt, offset = _load_(buf[: r.stop - r.start], x, t, m)
-            lc = _lse_(_mask_at_(xt, lidx), shard, offset)[0]  # outside the top-k_max
+            lc = _masked_lse_(_mask_at_(xt, lidx), shard, offset)[0]  # outside the top-k_max
             rest[r, j] = lc
             lse[r, j] = torch.logsumexp(torch.cat([lc[:, None], _scaled(centred, t)], 1), 1)
     return TeacherRecord(values.view(*lead, k_max), indices.view(*lead, k_max), lse.view(*lead, len(temps)),

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from kdexp.losses._shard import Shard
 from kdexp.rules import is_int
@@ -264,6 +265,27 @@ def _lse_(x: torch.Tensor, shard: Shard, offset: torch.Tensor | None = None):
     return shard.logsumexp_(loc), loc, out
 
 
+def _masked_lse_(x: torch.Tensor, shard: Shard, offset: torch.Tensor | None = None, m: torch.Tensor | None = None,
+                 temperature: float = 1.0):
+    """(global log-sum-exp [c], this rank's log-sum-exp [c]) of (x - offset) / T for a chunk x with entries masked
+    to -inf (the kept set S out); x is consumed (exponentiated in place). m: x's row max, if already known.
+
+    For the sparse losses, which need the log-sum-exp outside S and nothing else of the chunk: three passes (sub,
+    exp, sum) where _lse_'s fused log-softmax writes a log-softmax nobody reads. exp((x - m) / T) sums positive
+    terms <= 1 with the largest exactly 1; (m - offset) / T is exact near the row max (Sterbenz), so the centred
+    result keeps the precision of an O(1) number. -inf where every entry is masked."""
+    if m is None:
+        m = x.amax(1)
+    fin = torch.isfinite(m)
+    mm = torch.where(fin, m, torch.zeros_like(m))
+    x.sub_(mm[:, None])
+    if temperature != 1.0:
+        x.div_(temperature)
+    top = mm if offset is None else mm - offset
+    loc = torch.where(fin, x.exp_().sum(1).log_().add_(_scaled(top, temperature)), torch.full_like(m, -math.inf))
+    return shard.logsumexp_(loc), loc
+
+
 class _LogitsKD(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student, teacher, cfg: _Cfg, shard: Shard, stats, teacher_side=None):
@@ -357,20 +379,31 @@ class _LogitsKD(torch.autograd.Function):
                     g = dense_backward_(a, b, ctx.raw_loss[r], ctx.aux[r], cfg.divergence, cfg.beta)
                 torch.mul(g, scale[r, None], out=grad[r])
             return grad, None, None, None, None, None
-        buf = torch.empty(rows, vl + 1, dtype=cd, device=dev)
+        buf = None
         for r, gidx, keep, cand_grad, coef, centre in ctx.chunks:
             c = r.stop - r.start
-            lidx, _ = shard.local_index(gidx, keep)
+            lidx, owned = shard.local_index(gidx, keep)
+            # Straight into the gradient when every candidate is a column of it (no TP, no nucleus cut) and it has
+            # the compute dtype; else through a buffer whose last column takes the candidates not owned / not kept.
+            direct = owned is None and grad.dtype == cd
+            if not direct and buf is None:
+                buf = torch.empty(rows, vl + 1, dtype=cd, device=dev)
+            x = grad[r] if direct else buf[:c]
             sc = scale[r, None]
             if coef is None:  # renormalize: the loss depends on the kept logits only
-                x = buf[:c].zero_()
-            else:
-                x = _mask_at_(_load_(buf[:c], student[r], cfg.temperature, centre)[0], lidx)
-                # softmax over this rank's entries outside S = exp(s - lse_loc); coef[1] = exp(lse_loc - lse_notS).
-                # Rows whose local entries are all in S come out NaN and are overwritten whole by the scatter.
-                x = _softmax_(x).mul_(coef[0][:, None] * sc)
+                x.zero_()
+            else:  # exp((s - centre) / T - lse_notS) * (h - G r_s) everywhere; S is overwritten just below
+                dst, raw, (cf, lns) = x[:, :vl], student[r], coef
+                if raw.dtype == cd:
+                    torch.sub(raw, centre[:, None], out=dst)
+                else:
+                    dst.copy_(raw).sub_(centre[:, None])
+                if cfg.temperature != 1.0:
+                    dst.div_(cfg.temperature)
+                dst.sub_(lns[:, None]).exp_().mul_(cf[:, None] * sc)
             x.scatter_(1, lidx, cand_grad * sc)  # entries not owned / not kept land in the scratch column
-            grad[r].copy_(x[:, :vl])
+            if not direct:
+                grad[r].copy_(x[:, :vl])
         return grad, None, None, None, None, None
 
 
@@ -393,7 +426,7 @@ def _teacher_side(teacher, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool):
             break
         lidx, _ = shard.local_index(gidx)
         xt, offset = _load_(buf, teacher, cfg.temperature, m_t)
-        lc_t = _lse_(_mask_at_(xt, lidx), shard, offset)[0]
+        lc_t = _masked_lse_(_mask_at_(xt, lidx), shard, offset)[0]
         lse_t = torch.logsumexp(torch.cat([lc_t[:, None], vals], 1), 1)  # non-candidates + candidates
         a = vals - lse_t[:, None]
         if cfg.top_p is None:
@@ -429,25 +462,30 @@ def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, g
     # keep None: every candidate is kept (no nucleus cut), nothing to mask. Without TP there is nothing to sum
     # either: entries not kept gather column vl - 1 and are masked to -inf just below.
     lidx, owned = shard.local_index(gidx, keep)
-    sv = student.gather(1, lidx if owned is None else lidx.clamp_max(vl - 1)).to(cd)
-    if shard.world > 1:
-        sv = shard.all_reduce_(torch.where(owned, sv, torch.zeros_like(sv)))
-    if need_s:
-        m_s = shard.row_max(student, cd)
-    else:
-        m_s = (sv if keep is None else torch.where(keep, sv, neg_inf)).amax(1)
-    sv = _scaled(sv - m_s[:, None], cfg.temperature)
+    if shard.world == 1:  # every candidate is on this rank; the ones not kept are masked to -inf just below
+        sv = student.gather(1, gidx).to(cd)
+    else:  # kept logits gathered from the owning ranks (zeros elsewhere, then SUM: exact)
+        sv = shard.all_reduce_(torch.where(owned, student.gather(1, lidx.clamp_max(vl - 1)).to(cd),
+                                           torch.zeros((), dtype=cd, device=student.device)))
     if keep is not None:
         sv = torch.where(keep, sv, neg_inf)
     a_kept = a if keep is None else torch.where(keep, a, neg_inf)
     if need_s:
-        xs, offset = _load_(buf, student, cfg.temperature, m_s)
-        lns, lns_loc, _ = _lse_(_mask_at_(xs, lidx), shard, offset)
-        lse_s = torch.logsumexp(torch.cat([lns[:, None], sv], 1), 1)
-        b = sv - lse_s[:, None]
-        lr_s = lns - lse_s
-    else:
-        b = sv
+        # The student's log-sum-exp outside S, from a raw copy with S masked to -inf. The row max (over all
+        # ranks) that centres everything is the larger of the max outside S (this chunk's) and the max over S
+        # (the gathered logits): no pass of its own.
+        xs = _mask_at_(_load_(buf, student, 1.0, None)[0], lidx)
+        m_loc = xs.amax(1)
+        m_s = torch.maximum(shard.all_reduce_(m_loc.clone(), op=dist.ReduceOp.MAX) if shard.world > 1 else m_loc,
+                            sv.amax(1))
+        m_s = torch.where(torch.isfinite(m_s), m_s, torch.zeros_like(m_s))
+        lns, _ = _masked_lse_(xs, shard, m_s, m_loc, cfg.temperature)
+        # One fused log-softmax over the K + 1 buckets (outside S, then S): the student's log-probs and residual.
+        bb = _log_softmax_(torch.cat([lns[:, None], _scaled(sv - m_s[:, None], cfg.temperature)], 1))
+        lr_s, b = bb[:, 0], bb[:, 1:]
+    else:  # renormalised without stats: only differences within S matter, the max over S centres them
+        m_s = sv.amax(1)
+        b = _scaled(sv - m_s[:, None], cfg.temperature)
 
     if cfg.renormalize:
         a_r = a_kept - torch.logsumexp(a_kept, 1, keepdim=True)
@@ -465,12 +503,15 @@ def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, g
             h = torch.zeros_like(loss)
         gsum = g.sum(1) + h
         cand_grad = g - b.exp() * gsum[:, None]
-        # Outside S: dL/ds_i = exp(s_i - lse_notS) (h - G r_s) = softmax_loc(s)_i * exp(lse_loc - lse_notS) (h - G r_s)
-        coef = (torch.where(torch.isfinite(lns), (h - gsum * lr_s.exp()) * (lns_loc - lns).exp(),
-                            torch.zeros_like(lns)),)
+        # Outside S: dL/ds_i = exp(s_i - lse_notS) (h - G r_s); backward recomputes the first factor from the
+        # centre and lse_notS (0 where nothing is outside S: no entry reads it).
+        fin = torch.isfinite(lns)
+        coef = (torch.where(fin, h - gsum * lr_s.exp(), torch.zeros_like(lns)),
+                torch.where(fin, lns, torch.zeros_like(lns)))
     out = {"loss": loss, "gidx": gidx, "keep": keep, "cand_grad": cand_grad, "coef": coef, "centre": m_s}
     if want_stats:
-        out.update(teacher_kept_mass=torch.logsumexp(a_kept, 1).exp(), student_kept_mass=torch.logsumexp(b, 1).exp(),
+        # kept mass = 1 - residual mass, from the residuals' accurate logs (no pass over the buckets)
+        out.update(teacher_kept_mass=-torch.expm1(lr_t), student_kept_mass=-torch.expm1(lr_s),
                    nucleus_size=(torch.full_like(lr_s, b.shape[1]) if keep is None else keep.sum(1).to(cd)),
                    teacher_residual_mass=lr_t.exp(),
                    student_residual_mass=lr_s.exp())
