@@ -277,7 +277,7 @@ def test_issue_example_renormalized_top_k():
 
 # ---------------------------------------------------------------------------------------------------------------------
 # One contract: the loss options are logits_kd_loss's keywords, with its defaults and its rules.
-RUNTIME_KEYWORDS = ("tp_group", "return_stats", "chunk_tokens")
+RUNTIME_KEYWORDS = ("tp_group", "return_stats", "chunk_tokens", "labels")  # per call, not loss options
 
 
 def test_options_are_the_keywords_of_logits_kd_loss():

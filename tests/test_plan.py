@@ -118,9 +118,16 @@ def test_the_smoke_plan_item_by_item():
     teacher = models.get_spec("tiny-teacher", vocab_size=v)
     assert items["student weights"] == 4 * student.num_params() and items["student gradients"] == 4 * student.num_params()
     assert items["optimizer state"] == 8 * student.num_params() and items["teacher weights"] == 4 * teacher.num_params()
-    assert items["teacher logits"] == items["student logits"] == items["LM loss fp32 softmax"] == n * v * 4
-    assert items["logit gradients"] == 2 * n * v * 4  # KD's and LM's (alpha=0.9)
-    assert items["KD loss saved values"] == n * (1024 * (8 + 1 + 4) + 8 + 24)  # top_k=1024: int64 + bool + fp32
+    assert items["teacher logits"] == items["student logits"] == n * v * 4
+    # Top-K at T = 1: the LM loss is fused into the KD loss (no fp32 copy, one logit gradient), which keeps per
+    # candidate the index (int64), keep flag, gradient and student probability (fp32), per token 3 + 6 fp32 scalars
+    # and the label's column, flags, logit and loss
+    assert "LM loss fp32 softmax" not in items and items["logit gradients"] == n * v * 4
+    assert items["KD loss saved values"] == n * (1024 * (8 + 1 + 4 + 4) + 12 + 24 + 8 + 2 + 8)
+    unfused = {name: b for name, b, _ in make_plan(_cfg("loss.temperature=2.0")).items}
+    assert unfused["LM loss fp32 softmax"] == n * v * 4
+    assert unfused["logit gradients"] == 2 * n * v * 4  # KD's and LM's (alpha=0.9)
+    assert unfused["KD loss saved values"] == n * (1024 * (8 + 1 + 4) + 12 + 24)
     # 128 rows fit the loss's 4 MiB minimum chunk: its [rows, V+1] buffer and the [rows, K+1] temporaries
     assert items["KD loss chunk buffer"] == n * (v + 1 + sizing.KD_CHUNK_K_ARRAYS * 1025) * 4  # no nucleus cut
     assert items["attention score buffer"] == 2 * 4 * 64 * 64 * 4  # micro x heads (4, both) x s x s, fp32
@@ -128,7 +135,7 @@ def test_the_smoke_plan_item_by_item():
     assert p.flops["total"] == sizing.flops_per_token(student, 64, backward=True) + \
         sizing.flops_per_token(teacher, 64, backward=False)
     assert p.tokens_per_s_per_gpu == pytest.approx(0.35 * 989e12 / p.flops["total"])
-    kd_only = {name for name, _, _ in make_plan(_cfg("balancer.alpha=1.0")).items}
+    kd_only = {name for name, _, _ in make_plan(_cfg("balancer.alpha=1.0", "loss.temperature=2.0")).items}
     assert "LM loss fp32 softmax" not in kd_only
 
 
@@ -222,8 +229,9 @@ def test_the_plan_bounds_a_real_train_step_from_above(overrides):
 @pytest.mark.parametrize("overrides,tight", [((), 1.15), (("loss=top_p", "loss.top_k=1024"), 1.15),
                                              (("loss=dense", "balancer.alpha=1.0"), 1.15),
                                              # no top_k: the plan sizes the 1,024 initial candidates, the loss keeps
-                                             # only the widest nucleus of the chunk
-                                             (("loss=top_p",), 1.4)])
+                                             # only the widest nucleus of the chunk (and, the LM loss fused, its
+                                             # student probabilities over that width)
+                                             (("loss=top_p",), 1.45)])
 def test_the_plan_bounds_the_kd_loss_alone(overrides, tight):
     """The KD loss's fwd+bwd on the step's [tokens, V] logits (stats on, as the trainer asks): the peak of the storages
     it creates against the plan's loss items (chunk buffer + O(K) temporaries, saved values, the KD logit gradient):
@@ -236,9 +244,13 @@ def test_the_plan_bounds_the_kd_loss_alone(overrides, tight):
     n, v = cfg.trainer.micro_batch_size * cfg.trainer.seq_length, cfg.data.vocab_size
     torch.manual_seed(0)
     student, teacher = (torch.randn(n, v) * 3).requires_grad_(), torch.randn(n, v) * 3
+    from kdexp.train.objectives import fuses_lm
+
+    labels = torch.randint(0, v, (n,)) if fuses_lm(cfg.loss) else None  # as the step calls it: the LM loss fused
     with PeakTensorMemory() as measured:
-        loss, _ = logits_kd_loss(student, teacher, return_stats=True, **KDLossOptions.from_config(cfg.loss).kwargs())
-        loss.sum().backward()
+        loss, _ = logits_kd_loss(student, teacher, return_stats=True, labels=labels,
+                                 **KDLossOptions.from_config(cfg.loss).kwargs())
+        sum(t.sum() for t in (loss if labels is not None else (loss,))).backward()
     items = {name: b for name, b, _ in make_plan(cfg).items}
     planned = items["KD loss chunk buffer"] + items["KD loss saved values"] + n * v * 4
     # (1 KiB of 0-d scalars and per-row constants is not planned)

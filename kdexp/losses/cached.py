@@ -25,7 +25,8 @@ from typing import NamedTuple, Sequence
 import torch
 
 from kdexp.losses._shard import Shard
-from kdexp.losses.logits import KDStats, _chunk_rows, _LogitsKD, _load_, _mask_at_, _masked_lse_, _scaled, make_cfg
+from kdexp.losses.logits import (_chunk_rows, _LogitsKD, _load_, _mask_at_, _masked_lse_, _scaled, _shaped, check_labels,
+                                 make_cfg)
 
 __all__ = ["TeacherRecord", "teacher_topk_record", "cached_kd_loss"]
 
@@ -101,8 +102,9 @@ def cached_kd_loss(
     tp_group=None,
     return_stats: bool = False,
     chunk_tokens: int | None = None,
+    labels: torch.Tensor | None = None,
 ):
-    """`logits_kd_loss` (same keywords, same result) with the teacher given by a cached record at `temperature`:
+    """`logits_kd_loss` (same keywords, same result, `labels` included) with the teacher given by a cached record at `temperature`:
     values/indices [..., K_max] as `teacher_topk_record` gives them (any float dtype for values: a compact cache's
     bf16/fp16 is widened here), lse/lse_rest [...] the record's log-sum-exps AT THIS temperature. top_k (<= K_max) is
     required: the cache holds only the teacher's top-K_max."""
@@ -146,8 +148,6 @@ def cached_kd_loss(
         return ix[r, :top_k], keep, a, lr_t
 
     stats: dict | None = {} if return_stats else None
-    loss = _LogitsKD.apply(student_logits.reshape(-1, local_vocab), student_logits.new_empty(0), cfg, shard, stats,
-                           teacher_side).view(lead)
-    if not return_stats:
-        return loss
-    return loss, KDStats(*(stats[name].view(lead) for name in KDStats._fields))
+    out = _LogitsKD.apply(student_logits.reshape(-1, local_vocab), student_logits.new_empty(0), cfg, shard, stats,
+                          teacher_side, check_labels(labels, cfg, student_logits))
+    return _shaped(out, stats, lead)

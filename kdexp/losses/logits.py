@@ -119,6 +119,7 @@ def logits_kd_loss(
     beta: float = 0.5,
     scale_by_temperature_squared: bool = False,
     chunk_tokens: int | None = None,
+    labels: torch.Tensor | None = None,
 ):
     """Per-token distillation loss, shape `student_logits.shape[:-1]`, float32 (float64 for float64 inputs).
 
@@ -131,6 +132,9 @@ def logits_kd_loss(
     "reverse_kl" (KL(P_s||P_t)) or "jsd" (generalized, weight `beta` on the teacher). scale_by_temperature_squared:
     multiply by T^2 (Hinton et al.); off by default. chunk_tokens: tokens per chunk (default: a working set of at
     most ~1/16 of one fp32 [tokens, vocab] tensor, between 4 and 64 MiB). return_stats=True returns (loss, KDStats).
+    labels [...] (global vocabulary ids; sparse loss at T = 1 only): also the student's per-token LM cross-entropy
+    -log softmax(student)[label] (megatron's vocab-parallel cross-entropy, its gradient added in the same backward),
+    computed in the KD loss's own pass over the vocabulary: `loss` is then the pair (kd, lm).
     """
     _check_tensors(student_logits, teacher_logits)
     local_vocab = student_logits.shape[-1]
@@ -138,12 +142,30 @@ def logits_kd_loss(
     cfg = make_cfg(shard.vocab, temperature=temperature, top_k=top_k, top_p=top_p, min_k=min_k, ghost_token=ghost_token,
                    normalization=normalization, divergence=divergence, beta=beta,
                    scale_by_temperature_squared=scale_by_temperature_squared, chunk_tokens=chunk_tokens)
-    lead = student_logits.shape[:-1]
     stats: dict | None = {} if return_stats else None
-    loss = _LogitsKD.apply(
-        student_logits.reshape(-1, local_vocab), teacher_logits.detach().reshape(-1, local_vocab), cfg, shard, stats
-    ).view(lead)
-    if not return_stats:
+    out = _LogitsKD.apply(student_logits.reshape(-1, local_vocab), teacher_logits.detach().reshape(-1, local_vocab),
+                          cfg, shard, stats, None, check_labels(labels, cfg, student_logits))
+    return _shaped(out, stats, student_logits.shape[:-1])
+
+
+def check_labels(labels, cfg: _Cfg, student_logits: torch.Tensor):
+    """`labels` for the fused LM loss, checked against the loss options (None passes)."""
+    if labels is None:
+        return None
+    if not KDLossOptions(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p).fuses_lm():
+        raise ValueError(f"labels (the fused LM loss) need a Top-K / Top-P loss at temperature 1.0, got top_k="
+                         f"{cfg.top_k}, top_p={cfg.top_p}, temperature={cfg.temperature}: the dense loss has no "
+                         "pass of its own to share, and the LM loss is at T = 1; compute the LM loss separately")
+    if not isinstance(labels, torch.Tensor) or labels.shape != student_logits.shape[:-1] or labels.is_floating_point():
+        raise ValueError(f"labels must be an integer tensor of the logits' leading shape "
+                         f"{tuple(student_logits.shape[:-1])}, got {getattr(labels, 'shape', labels)!r}")
+    return labels.reshape(-1)
+
+
+def _shaped(out, stats: dict | None, lead):
+    """The public return of a loss call: the per-token loss (or the (kd, lm) pair), then the stats if asked."""
+    loss = tuple(t.view(lead) for t in out) if isinstance(out, tuple) else out.view(lead)
+    if stats is None:
         return loss
     return loss, KDStats(*(stats[name].view(lead) for name in KDStats._fields))
 
@@ -295,9 +317,9 @@ def _masked_lse_(x: torch.Tensor, shard: Shard, offset: torch.Tensor | None = No
 
 class _LogitsKD(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, student, teacher, cfg: _Cfg, shard: Shard, stats, teacher_side=None):
+    def forward(ctx, student, teacher, cfg: _Cfg, shard: Shard, stats, teacher_side=None, labels=None):
         # teacher_side(rows) -> (gidx, keep, a, lr_t): the teacher half of a sparse chunk from elsewhere (a cache);
-        # `teacher` is then unused.
+        # `teacher` is then unused. labels [n] (sparse, T = 1): the LM cross-entropy too, returned second.
         n, vl = student.shape
         dev = student.device
         cd = _compute_dtype(student)
@@ -326,6 +348,7 @@ class _LogitsKD(torch.autograd.Function):
                 part = shard.all_reduce_(dense_forward_(a, b, cfg.divergence, cfg.beta))
                 loss[r], aux[r] = part[:, 0], part[:, 1]
             ctx.save_for_backward(student, teacher)
+            ctx.label = None
             ctx.shift, ctx.aux, ctx.raw_loss, ctx.centres = shift, aux, loss.clone(), centres
             if st is not None:
                 st["teacher_kept_mass"].fill_(1.0)
@@ -336,19 +359,24 @@ class _LogitsKD(torch.autograd.Function):
         else:
             buf = torch.empty(rows, vl + 1, dtype=cd, device=dev)
             chunks = []
+            label = None if labels is None else _Labels.make(student, labels, shard, cd)
+            lm = None if labels is None else torch.empty(n, dtype=cd, device=dev)
             for r0 in range(0, n, rows):
                 r = slice(r0, min(n, r0 + rows))
                 b = buf[: r.stop - r.start]
                 side = (_teacher_side(teacher[r], b, cfg, shard, cd, st is not None) if teacher_side is None
                         else teacher_side(r, cd))
-                out = _student_side(student[r], b, cfg, shard, cd, st is not None, *side)
+                out = _student_side(student[r], b, cfg, shard, cd, st is not None, *side, lm=labels is not None)
                 loss[r] = out["loss"]
-                chunks.append((r, out["gidx"], out["keep"], out["cand_grad"], out["coef"], out["centre"]))
+                if label is not None:  # -log q(label) = lse - (x_label - centre): both centred, as megatron's
+                    lm[r] = torch.where(label.valid[r], out["lse"] - (label.logit[r] - out["centre"]), 0.0)
+                chunks.append((r, out["gidx"], out["keep"], out["cand_grad"], out["coef"], out["centre"],
+                               out.get("q")))
                 if st is not None:
                     for f in KDStats._fields:
                         st[f][r] = out[f]
             ctx.save_for_backward(student)
-            ctx.chunks = chunks
+            ctx.chunks, ctx.label = chunks, label
         if st is not None:
             stats.update({f: (v.long() if f == "nucleus_size" else v) for f, v in st.items()})
         if dense or cfg.ghost or cfg.renormalize:
@@ -359,10 +387,13 @@ class _LogitsKD(torch.autograd.Function):
             loss.clamp_min_(0.0)
         if cfg.loss_scale != 1.0:
             loss.mul_(cfg.loss_scale)
+        ctx.fused_lm = not dense and labels is not None
+        if ctx.fused_lm:
+            return (loss, lm) if cd == torch.float64 else (loss.float(), lm.float())
         return loss if cd == torch.float64 else loss.float()
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_lm=None):
         cfg, shard, rows, cd = ctx.cfg, ctx.shard, ctx.rows, ctx.cd
         student = ctx.saved_tensors[0]
         n, vl = student.shape
@@ -385,9 +416,13 @@ class _LogitsKD(torch.autograd.Function):
                         b.add_(ctx.shift[1, r, None])
                     g = dense_backward_(a, b, ctx.raw_loss[r], ctx.aux[r], cfg.divergence, cfg.beta)
                 torch.mul(g, scale[r, None], out=grad[r])
-            return grad, None, None, None, None, None
+            return grad, None, None, None, None, None, None
         buf = None
-        for r, gidx, keep, cand_grad, coef, centre in ctx.chunks:
+        label = ctx.label
+        # The fused LM loss adds q - onehot(label) (T = 1): outside S q = exp(s - centre - lse_notS) r_s, the KD
+        # term's own factor times the student residual; on S the kept probabilities q saved by the forward.
+        gl = None if label is None else torch.where(label.valid, grad_lm.reshape(-1).to(cd), 0.0)
+        for r, gidx, keep, cand_grad, coef, centre, q in ctx.chunks:
             c = r.stop - r.start
             lidx, owned = shard.local_index(gidx, keep)
             # Straight into the gradient when every candidate is a column of it (no TP, no nucleus cut) and it has
@@ -400,18 +435,45 @@ class _LogitsKD(torch.autograd.Function):
             if coef is None:  # renormalize: the loss depends on the kept logits only
                 x.zero_()
             else:  # exp((s - centre) / T - lse_notS) * (h - G r_s) everywhere; S is overwritten just below
-                dst, raw, (cf, lns) = x[:, :vl], student[r], coef
+                dst, raw, (cf, lns, r_s) = x[:, :vl], student[r], coef
                 if raw.dtype == cd:
                     torch.sub(raw, centre[:, None], out=dst)
                 else:
                     dst.copy_(raw).sub_(centre[:, None])
                 if cfg.temperature != 1.0:
                     dst.div_(cfg.temperature)
-                dst.sub_(lns[:, None]).exp_().mul_(cf[:, None] * sc)
-            x.scatter_(1, lidx, cand_grad * sc)  # entries not owned / not kept land in the scratch column
+                cf = cf * sc[:, 0] if gl is None else torch.addcmul(gl[r] * r_s, cf, sc[:, 0])
+                dst.sub_(lns[:, None]).exp_().mul_(cf[:, None])
+            g_s = cand_grad * sc if gl is None else torch.addcmul(cand_grad * sc, q, gl[r, None])
+            x.scatter_(1, lidx, g_s)  # entries not owned / not kept land in the scratch column
+            if gl is not None:  # - onehot(label), on the rank that owns it
+                x.scatter_add_(1, label.local[r, None], torch.where(label.owned[r], -gl[r], 0.0)[:, None])
             if not direct:
                 grad[r].copy_(x[:, :vl])
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
+
+
+class _Labels(NamedTuple):
+    """The fused LM loss's targets: each row's raw logit at its label (from the rank that owns it, in the compute
+    dtype), the label's local column (clamped into this shard) and whether this rank owns it, and whether it is a
+    vocabulary id at all (a label outside [0, V) is ignored: loss 0, no gradient, as torch's ignore_index)."""
+
+    logit: torch.Tensor
+    local: torch.Tensor
+    owned: torch.Tensor
+    valid: torch.Tensor
+
+    @staticmethod
+    def make(student: torch.Tensor, labels: torch.Tensor, shard: Shard, cd) -> "_Labels":
+        n, vl = student.shape
+        lab = labels.reshape(-1).to(student.device, torch.long)
+        if lab.shape[0] != n:
+            raise ValueError(f"labels has {lab.shape[0]} entries, expected one per token ({n})")
+        local = lab - shard.offset
+        owned = (local >= 0) & (local < vl)
+        local = local.clamp(0, vl - 1)
+        logit = torch.where(owned, student.gather(1, local[:, None])[:, 0].to(cd), 0.0)
+        return _Labels(shard.all_reduce_(logit), local, owned, (lab >= 0) & (lab < shard.vocab))
 
 
 def _teacher_side(teacher, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool):
@@ -457,17 +519,14 @@ def _teacher_side(teacher, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool):
     return gidx, keep, a, (lr_t if need_t else None)
 
 
-def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, gidx, keep, a, lr_t):
+def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, gidx, keep, a, lr_t, lm=False):
     """The student half of one Top-K / Top-P chunk, given the teacher half: the loss, stats and the O(K) values the
-    backward needs."""
+    backward needs (`lm`: also the student's full log-sum-exp and kept probabilities, for the fused LM loss)."""
     c, vl = student.shape
     neg_inf = torch.tensor(-math.inf, dtype=cd, device=student.device)
-    need_s = not cfg.renormalize or want_stats
-    # Student: kept logits gathered from the owning ranks (zeros elsewhere, then SUM: exact), centred on the row max
-    # (global, all ranks), log-sum-exp outside S. Renormalised without stats only differences within S matter, so
-    # the max over S centres them without a pass over the vocabulary.
-    # keep None: every candidate is kept (no nucleus cut), nothing to mask. Without TP there is nothing to sum
-    # either: entries not kept gather column vl - 1 and are masked to -inf just below.
+    need_s = not cfg.renormalize or want_stats or lm
+    # Student: kept logits, centred on the row max (global, all ranks), log-sum-exp outside S. Renormalised without
+    # stats only differences within S matter, so the max over S centres them without a pass over the vocabulary.
     lidx, owned = shard.local_index(gidx, keep)
     if shard.world == 1:  # every candidate is on this rank; the ones not kept are masked to -inf just below
         sv = student.gather(1, gidx).to(cd)
@@ -507,6 +566,9 @@ def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, g
         loss, g = bucket_divergence(a_r, b_r, keep, cfg.divergence, cfg.beta)
         cand_grad = g - b_r.exp() * g.sum(1, keepdim=True)
         coef = None
+        if lm:  # the KD term has nothing outside S; the LM term has
+            fin = torch.isfinite(lns)
+            coef = (torch.zeros_like(lns), torch.where(fin, lns, torch.zeros_like(lns)), lr_s.exp())
     else:
         loss, g = bucket_divergence(a_kept, b, keep, cfg.divergence, cfg.beta)
         if cfg.ghost:  # the ghost bucket: its term of the same sum (invalid where lr_t is -inf: S is everything)
@@ -520,9 +582,12 @@ def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, g
         # Outside S: dL/ds_i = exp(s_i - lse_notS) (h - G r_s); backward recomputes the first factor from the
         # centre and lse_notS (0 where nothing is outside S: no entry reads it).
         fin = torch.isfinite(lns)
-        coef = (torch.where(fin, h - gsum * lr_s.exp(), torch.zeros_like(lns)),
-                torch.where(fin, lns, torch.zeros_like(lns)))
+        r_s = lr_s.exp()
+        coef = (torch.where(fin, h - gsum * r_s, torch.zeros_like(lns)), torch.where(fin, lns, torch.zeros_like(lns)),
+                r_s)
     out = {"loss": loss, "gidx": gidx, "keep": keep, "cand_grad": cand_grad, "coef": coef, "centre": m_s}
+    if lm:
+        out.update(lse=lse_s, q=q)
     if want_stats:
         # kept mass = 1 - residual mass, from the residuals' accurate logs (no pass over the buckets)
         out.update(teacher_kept_mass=-torch.expm1(lr_t), student_kept_mass=-torch.expm1(lr_s),

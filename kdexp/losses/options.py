@@ -58,6 +58,17 @@ class KDLossOptions:
         get = node.__getitem__ if isinstance(node, dict) else lambda k: getattr(node, k)
         return KDLossOptions(**{k: get(k) for k in KDLossOptions.names()})
 
+    @property
+    def dense(self) -> bool:
+        """The whole vocabulary, no cut (top_p 1.0 cuts nothing): the dense loss."""
+        return self.top_k is None and (self.top_p is None or float(self.top_p) == 1.0)
+
+    def fuses_lm(self, sampled: bool = False) -> bool:
+        """Whether this KD loss can compute the LM cross-entropy in its own pass over the student's vocabulary
+        (`labels=`): a Top-K / Top-P loss, or sampled KD (`sampled`), at temperature 1. The dense loss, or another
+        temperature (the LM loss is at T = 1), leave it to a separate cross-entropy."""
+        return float(self.temperature) == 1.0 and (sampled or not self.dense)
+
     def kwargs(self) -> dict:
         """The keyword arguments of `logits_kd_loss` (only the loss options, also for a subclass instance)."""
         return {k: getattr(self, k) for k in KDLossOptions.names()}

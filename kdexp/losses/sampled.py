@@ -40,7 +40,8 @@ from typing import NamedTuple
 import torch
 
 from kdexp.losses._shard import Shard
-from kdexp.losses.logits import _lse_, _load_
+from kdexp.losses.logits import _Labels, _lse_, _load_
+from kdexp.losses.options import KDLossOptions
 
 _CHUNK_BYTES = 64 << 20  # scratch per chunk of rows (float64 cumsum when sampling, float32 softmax in backward)
 
@@ -214,7 +215,7 @@ class _SparseCE(torch.autograd.Function):
     column), as dense as a cross-entropy."""
 
     @staticmethod
-    def forward(ctx, z, ids, weights, teacher_logprobs, temperature, scale, tp_group):
+    def forward(ctx, z, ids, weights, teacher_logprobs, temperature, scale, tp_group, labels=None):
         cdtype = torch.float64 if z.dtype == torch.float64 else torch.float32
         z2 = z.reshape(-1, z.shape[-1])
         n, vl = z2.shape
@@ -227,27 +228,40 @@ class _SparseCE(torch.autograd.Function):
         picked = torch.empty_like(w2)
         rows = _rows((vl + 1) * torch.finfo(cdtype).bits // 8, n)
         buf = torch.empty(rows, vl + 1, dtype=cdtype, device=z.device)
+        label = None if labels is None else _Labels.make(z2, labels, shard, cdtype)
+        lm = None if labels is None else torch.zeros(n, dtype=cdtype, device=z.device)
         for lo in range(0, n, rows):
             hi = min(n, lo + rows)
             x, _ = _load_(buf[: hi - lo], z2[lo:hi], temperature, None)  # z / T; the scratch column is -inf
             picked[lo:hi] = x.gather(1, gather_idx[lo:hi])
-            lse[lo:hi] = _lse_(x, shard)[0]  # consumes x
+            lse_g, lse_l, logp = _lse_(x, shard)  # consumes x: its local log-softmax
+            lse[lo:hi] = lse_g
+            if label is not None:  # -log q(label) (T = 1), from the fused log-softmax as megatron's; owner only
+                lp = logp.gather(1, label.local[lo:hi, None])[:, 0]
+                lm[lo:hi] = torch.where(label.owned[lo:hi], -(lp + (lse_l - lse_g)), 0.0)
         if owned is not None:  # each id's student logit / T from the rank that owns it
             shard.all_reduce_(picked.masked_fill_(~owned, 0.0))
         log_s = picked - lse[:, None]
         target = teacher_logprobs.reshape(n, -1).to(cdtype) if teacher_logprobs is not None else 0.0
         loss = (w2 * (target - log_s)).sum(1) * scale
         ctx.save_for_backward(z2, lidx, w2, lse)
-        ctx.temperature, ctx.scale, ctx.shape, ctx.rows = temperature, scale, z.shape, rows
-        return loss.reshape(z.shape[:-1])
+        ctx.temperature, ctx.scale, ctx.shape, ctx.rows, ctx.label = temperature, scale, z.shape, rows, label
+        if label is None:
+            return loss.reshape(z.shape[:-1])
+        return loss.reshape(z.shape[:-1]), shard.all_reduce_(lm).reshape(z.shape[:-1])
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_lm=None):
         z2, lidx, w2, lse = ctx.saved_tensors
         n, vl = z2.shape
+        label = ctx.label
         go = grad_out.reshape(n).to(w2.dtype) * (ctx.scale / ctx.temperature)
         grad = torch.empty_like(z2)
         coef = w2.sum(1) * go  # dL/d(z/T) = go * ((sum w) s - w)
+        if label is not None:  # the fused LM loss (T = 1): + gl (s - onehot(label))
+            gl = torch.where(label.valid, grad_lm.reshape(n).to(w2.dtype), 0.0)
+            coef = coef + gl
+            gl_owned = torch.where(label.owned, -gl, 0.0)
         w_go = w2 * go[:, None]  # ids not on this rank index the scratch column: no mask needed
         rows = ctx.rows
         buf = torch.empty(rows, vl + 1, dtype=w2.dtype, device=z2.device)
@@ -256,19 +270,22 @@ class _SparseCE(torch.autograd.Function):
             x, _ = _load_(buf[: hi - lo], z2[lo:hi], ctx.temperature, None)
             x.sub_(lse[lo:hi, None]).exp_().mul_(coef[lo:hi, None])  # the student softmax, scaled
             x.scatter_add_(1, lidx[lo:hi], w_go[lo:hi].neg())
+            if label is not None:
+                x.scatter_add_(1, label.local[lo:hi, None], gl_owned[lo:hi, None])
             grad[lo:hi].copy_(x[:, :vl])
-        return grad.reshape(ctx.shape), None, None, None, None, None, None
+        return grad.reshape(ctx.shape), None, None, None, None, None, None, None
 
 
 def sampled_kd_loss(student_logits: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                     teacher_logprobs: torch.Tensor | None = None, *, temperature: float = 1.0,
-                    scale_by_temperature_squared: bool = False, tp_group=None) -> torch.Tensor:
+                    scale_by_temperature_squared: bool = False, tp_group=None, labels: torch.Tensor | None = None):
     """Per-token sampled KD loss, shape `student_logits.shape[:-1]` (float32; float64 for float64 logits).
 
     ids/weights [..., S]: global vocabulary ids and their (normalised) importance weights, e.g. from
     `sample_teacher` or read back from a cache; slots with weight 0 are ignored. The value is the forward-KL
     estimate sum w (log p - log s) when `teacher_logprobs` (log p at the loss temperature) is given, else the sparse
-    cross-entropy -sum w log s; the gradient is the same either way.
+    cross-entropy -sum w log s; the gradient is the same either way. labels [...] (T = 1 only): also the per-token
+    LM cross-entropy from the same log-softmax (kdexp.losses.logits_kd_loss's `labels`): returns (kd, lm).
     """
     if ids.shape != weights.shape or ids.shape[:-1] != student_logits.shape[:-1]:
         raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be [..., S] over the "
@@ -278,7 +295,14 @@ def sampled_kd_loss(student_logits: torch.Tensor, ids: torch.Tensor, weights: to
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
     scale = float(temperature) ** 2 if scale_by_temperature_squared else 1.0
-    return _SparseCE.apply(student_logits, ids, weights, teacher_logprobs, float(temperature), scale, tp_group)
+    if labels is not None:
+        if not KDLossOptions(temperature=temperature).fuses_lm(sampled=True):
+            raise ValueError(f"labels (the fused LM loss) need temperature 1.0, got {temperature}: compute the LM "
+                             "loss separately")
+        if labels.shape != student_logits.shape[:-1] or labels.is_floating_point():
+            raise ValueError(f"labels must be an integer tensor of shape {tuple(student_logits.shape[:-1])}, got "
+                             f"{tuple(labels.shape)} {labels.dtype}")
+    return _SparseCE.apply(student_logits, ids, weights, teacher_logprobs, float(temperature), scale, tp_group, labels)
 
 
 def unique_mass(samples: TokenSamples) -> tuple[torch.Tensor, torch.Tensor]:

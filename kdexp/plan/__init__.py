@@ -112,8 +112,9 @@ def _chunk_rows(tokens: int, local_vocab: int) -> int:
 def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU) -> Plan:
     """The plan of a composed config on `gpus` GPUs (default: one DP replica, parallel.tensor GPUs)."""
     from kdexp.config.checks import accumulation_steps
-    from kdexp.losses import BalancerOptions
+    from kdexp.losses import BalancerOptions, KDLossOptions
     from kdexp.losses.logits import TOP_P_INITIAL_K
+    from kdexp.losses.options import SampledKDOptions
     from kdexp.models import check_tp
 
     t, par = cfg.trainer, cfg.parallel
@@ -159,9 +160,12 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     if layer["working"]:
         p.items.append(("recompute working set", layer["working"], "one layer rebuilt during its backward"))
     vocab = student.vocab_size // tp
-    needs_lm = BalancerOptions.from_config(cfg.balancer).build().needs_lm_loss
+    # An LM loss fused into the KD loss (the step's rule: kdexp.train.objectives.fuses_lm) saves O(K) per token
+    # more and has no fp32 copy or gradient of its own.
+    fused = KDLossOptions.from_config(cfg.loss).fuses_lm(sampled=SampledKDOptions.from_config(cfg.loss).enabled)
+    needs_lm = BalancerOptions.from_config(cfg.balancer).build().needs_lm_loss and not fused
     top_k, top_p = cfg.loss.top_k, cfg.loss.top_p
-    kd_saved = sizing.kd_saved_per_token(top_k, top_p, TOP_P_INITIAL_K)
+    kd_saved = sizing.kd_saved_per_token(top_k, top_p, TOP_P_INITIAL_K, fused_lm=fused)
     logits = sizing.logits_bytes(tokens, vocab, e, needs_lm=needs_lm, kd_saved=kd_saved,
                                  chunk_rows=_chunk_rows(tokens, vocab),
                                  kept=0 if top_k is None and top_p is None else (top_k or TOP_P_INITIAL_K),
@@ -169,7 +173,7 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     shape = f"[{tokens}, {vocab}]"
     notes = {"teacher logits": f"{shape} {dt}", "student logits": f"{shape} {dt}",
              "LM loss fp32 softmax": f"{shape} fp32", "KD loss saved values": f"top_k={top_k} top_p={top_p}",
-             "logit gradients": "KD" + (" + LM" if needs_lm else ""), "KD loss chunk buffer": "fp32, one chunk of tokens"}
+             "logit gradients": "KD" + (" + LM" if needs_lm else " (LM fused)" if fused else ""), "KD loss chunk buffer": "fp32, one chunk of tokens"}
     p.items += [(k, v, notes[k]) for k, v in logits.items() if v]
     # The teacher's no-grad forward runs before the student's: its one-layer transient (scores, softmax and copy,
     # or the MLP's fc1 output and products) counts only if larger than the student's logit and activation parts.

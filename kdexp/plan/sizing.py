@@ -104,16 +104,19 @@ def attention_buffer_bytes(specs, micro: int, seq: int, act_bytes: int, tp: int)
     return micro * max(s.num_heads for s in specs) / tp * seq * seq * act_bytes
 
 
-def kd_saved_per_token(top_k: int | None, top_p: float | None, initial_k: int) -> float:
+def kd_saved_per_token(top_k: int | None, top_p: float | None, initial_k: int, fused_lm: bool = False) -> float:
     """Bytes per token the chunked KD loss keeps between forward and backward besides the logits (which it keeps by
     reference): per kept candidate the global index (int64), the keep flag (bool) and the candidate gradient (fp32),
-    per token two fp32 scalars; the dense loss keeps ~6 fp32 scalars. Plus the per-token loss and its 5 stats (fp32).
-    Top-P without top_k keeps at most the nucleus: estimated by the initial candidate count."""
+    per token three fp32 scalars; the dense loss keeps ~6 fp32 scalars. Plus the per-token loss and its 5 stats (fp32).
+    With the LM loss fused (`fused_lm`): per candidate the student's probability (fp32), per token the label's
+    column (int64), two flags, its logit and the LM loss (fp32). Top-P without top_k keeps at most the nucleus:
+    estimated by the initial candidate count."""
     stats = 6 * 4
     if top_k is None and top_p is None:
         return 6 * 4 + stats
     k = top_k if top_k is not None else initial_k
-    return k * (8 + 1 + 4) + 2 * 4 + stats
+    lm = k * 4 + 8 + 2 + 2 * 4 if fused_lm else 0
+    return k * (8 + 1 + 4) + 3 * 4 + stats + lm
 
 
 # [rows, K+1] fp32-sized temporaries of one chunk of the KD loss live at once at its peak, beyond its [rows, V/t + 1]
@@ -127,7 +130,8 @@ def logits_bytes(tokens: int, local_vocab: int, act_bytes: int, *, needs_lm: boo
                  chunk_rows: int, kept: int = 0, cut: bool = False) -> dict[str, float]:
     """The logit-sized buffers at the start of the backward pass (their peak), per TP rank:
     teacher and student logits [tokens, V/t] (both kept by the KD loss and the step); the LM loss's fp32 copy (which
-    megatron's vocab-parallel cross-entropy turns into its saved softmax) when the balancer needs it; the KD loss's
+    megatron's vocab-parallel cross-entropy turns into its saved softmax) when the balancer needs a separate LM loss
+    (`needs_lm`; an LM loss fused into the KD loss has neither the copy nor a gradient of its own); the KD loss's
     O(K) values; the logit gradients (the KD loss's, plus the LM loss's cast to the logits' dtype); the KD loss's
     fp32 chunk buffer [rows, V/t + 1] (dense: two [rows, V/t], teacher and student) and its chunk's `kept`-wide
     temporaries (top-k values and indices, kept log-probs, divergence terms and gradients: small at real scale, where

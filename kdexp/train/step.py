@@ -34,14 +34,20 @@ def _micro_step(student, teacher, batch, balancer, cfg, needs_lm: bool, denom, s
     with models.capture_hidden(student, s_layers) as s_hidden:
         s_logits = models.vocab_parallel_logits(student, batch["tokens"])
     mask = batch["loss_mask"]
+    # The LM loss from the KD loss's own pass over the vocabulary where it can (objectives.fuses_lm), else its own.
+    fused = {"labels": batch["labels"]} if objectives.fuses_lm(cfg.loss) else {}
     if cached:
-        kd, stats = objectives.cached_kd_loss(s_logits, teacher, batch["sample_index"], mask, cfg.loss, denom)
+        kd, stats, *lm_fused = objectives.cached_kd_loss(s_logits, teacher, batch["sample_index"], mask, cfg.loss,
+                                                         denom, **fused)
     else:
-        kd, stats = objectives.kd_loss(s_logits, t_logits, mask, cfg.loss, denom, seed=seed)
+        kd, stats, *lm_fused = objectives.kd_loss(s_logits, t_logits, mask, cfg.loss, denom, seed=seed, **fused)
     inter = objectives.intermediate_loss(student, cfg.loss, s_hidden, t_hidden, mask, denom) if s_layers else None
     if inter is not None:
         stats["intermediate_loss"] = inter
-    if needs_lm:
+    if lm_fused:  # alpha == 1: out of the total (its gradient is then zero), logged all the same
+        lm_logged = lm_fused[0]
+        lm = lm_logged if needs_lm else None
+    elif needs_lm:
         lm = objectives.lm_loss(s_logits, batch["labels"], mask, denom)
     else:  # alpha == 1: the LM loss stays out of the graph; logged from a detached copy
         with torch.no_grad():
