@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from kdexp.losses._shard import Shard
 from kdexp.rules import is_int
-from kdexp.losses.divergence import bucket_divergence, dense_backward_, dense_forward_
+from kdexp.losses.divergence import _rowdot_, bucket_divergence, dense_backward_, dense_forward_
 from kdexp.losses.options import KDLossOptions
 # Top-P without a Top-K bound starts from this many candidates and grows x4 until the nucleus fits.
 TOP_P_INITIAL_K = 1024
@@ -550,7 +550,7 @@ def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, g
         # is a term, inside S or in exp(lns)), so the floor's exp(-80) per entry (not kept: -inf) is below its
         # rounding, as in _masked_lse_.
         sv = _scaled(sv - m_s[:, None], cfg.temperature)
-        e = sv.clamp_min(_EXP_FLOOR).exp_()
+        e = (sv.exp() if keep is None else sv.clamp_min(_EXP_FLOOR).exp_())
         total = e.sum(1).add_(lns.exp())
         lse_s = total.log()
         b = sv.sub_(lse_s[:, None])  # in place: sv is this function's own centred copy
@@ -570,15 +570,26 @@ def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, g
             fin = torch.isfinite(lns)
             coef = (torch.zeros_like(lns), torch.where(fin, lns, torch.zeros_like(lns)), lr_s.exp())
     else:
-        loss, g = bucket_divergence(a_kept, b, keep, cfg.divergence, cfg.beta)
+        # Forward KL with every candidate kept: g = -p on S, whose sum is minus the teacher's kept mass, 1 - r_t
+        # (from its residual's log: no pass over the buckets, and no -p); the loss is sum p (a - b).
+        fkl = cfg.divergence == "forward_kl" and keep is None
+        if fkl:
+            p = a.exp()
+            loss = _rowdot_(a - b, p)
+        else:
+            loss, g = bucket_divergence(a_kept, b, keep, cfg.divergence, cfg.beta)
         if cfg.ghost:  # the ghost bucket: its term of the same sum (invalid where lr_t is -inf: S is everything)
             ghost, h = bucket_divergence(lr_t[:, None], lr_s[:, None], torch.isfinite(lr_t)[:, None],
                                          cfg.divergence, cfg.beta)
             loss, h = loss + ghost, h[:, 0]
         else:
             h = torch.zeros_like(loss)
-        gsum = g.sum(1) + h
-        cand_grad = g - q * gsum[:, None]
+        if fkl:  # G = -(1 - r_t) + h (-1 with the ghost bucket); dL/ds on S = g - q G = q (-G) - p
+            gsum = torch.expm1(lr_t) + h
+            cand_grad = (q * gsum.neg()[:, None]).sub_(p)
+        else:
+            gsum = g.sum(1) + h
+            cand_grad = g - q * gsum[:, None]
         # Outside S: dL/ds_i = exp(s_i - lse_notS) (h - G r_s); backward recomputes the first factor from the
         # centre and lse_notS (0 where nothing is outside S: no entry reads it).
         fin = torch.isfinite(lns)

@@ -121,8 +121,8 @@ def kd_saved_per_token(top_k: int | None, top_p: float | None, initial_k: int, f
 
 # [rows, K+1] fp32-sized temporaries of one chunk of the KD loss live at once at its peak, beyond its [rows, V/t + 1]
 # buffer, its saved values and the logit gradient (tests/test_plan.py::test_the_plan_bounds_the_kd_loss_alone measures
-# the loss's peak: ~2.8 for Top-K, ~9 with a nucleus cut, whose float64 cumsum and keep mask widen the chunk).
-KD_CHUNK_K_ARRAYS = 3
+# the loss's peak: ~1.9 for Top-K, ~9 with a nucleus cut, whose float64 cumsum and keep mask widen the chunk).
+KD_CHUNK_K_ARRAYS = 2
 KD_CHUNK_K_ARRAYS_CUT = 9
 
 
