@@ -5,7 +5,8 @@ call the same functions:
 
 - `logits_kd_loss(student_logits, teacher_logits, *, temperature, top_k, top_p, min_k, ghost_token,
   normalization, divergence, tp_group, return_stats, ...)`: per-token KD loss (dense, Top-K, Top-P with a min-K
-  floor, ghost token for the residual mass, forward/reverse KL, generalized JSD), vocab-parallel aware.
+  floor, ghost token for the residual mass, forward/reverse KL, generalized JSD), vocab-parallel aware; with
+  `labels=` (Top-K / Top-P at T = 1) also the LM cross-entropy from the same pass over the vocabulary: (kd, lm).
 - `teacher_topk_record(teacher_logits, k_max, temperatures)` / `cached_kd_loss(student_logits, values, indices, lse,
   lse_rest, ...)`: what an offline teacher cache stores per token, and the same loss computed from it.
 - `KDLossOptions`: the loss options (the keywords above, their defaults and value rules), defined once; the config
