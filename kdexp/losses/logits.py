@@ -156,10 +156,15 @@ def check_labels(labels, cfg: _Cfg, student_logits: torch.Tensor):
         raise ValueError(f"labels (the fused LM loss) need a Top-K / Top-P loss at temperature 1.0, got top_k="
                          f"{cfg.top_k}, top_p={cfg.top_p}, temperature={cfg.temperature}: the dense loss has no "
                          "pass of its own to share, and the LM loss is at T = 1; compute the LM loss separately")
+    return check_label_shape(labels, student_logits).reshape(-1)
+
+
+def check_label_shape(labels, student_logits: torch.Tensor) -> torch.Tensor:
+    """`labels` as the fused LM loss takes them: an integer tensor of the logits' leading shape."""
     if not isinstance(labels, torch.Tensor) or labels.shape != student_logits.shape[:-1] or labels.is_floating_point():
         raise ValueError(f"labels must be an integer tensor of the logits' leading shape "
                          f"{tuple(student_logits.shape[:-1])}, got {getattr(labels, 'shape', labels)!r}")
-    return labels.reshape(-1)
+    return labels
 
 
 def _shaped(out, stats: dict | None, lead):
@@ -294,8 +299,8 @@ def _masked_lse_(x: torch.Tensor, shard: Shard, offset: torch.Tensor | None = No
     """(global log-sum-exp [c], this rank's log-sum-exp [c]) of (x - offset) / T for a chunk x with entries masked
     to -inf (the kept set S out); x is consumed (exponentiated in place). m: x's row max, if already known.
 
-    For the sparse losses, which need the log-sum-exp outside S and nothing else of the chunk: three passes (sub,
-    exp, sum) where _lse_'s fused log-softmax writes a log-softmax nobody reads. exp((x - m) / T) sums positive
+    For the sparse losses, which need the log-sum-exp outside S and nothing else of the chunk: sub, floor, exp and
+    sum passes where _lse_'s fused log-softmax writes a log-softmax nobody reads. exp((x - m) / T) sums positive
     terms <= 1 with the largest exactly 1; (m - offset) / T is exact near the row max (Sterbenz), so the centred
     result keeps the precision of an O(1) number. -inf where every entry is masked."""
     if m is None:
@@ -359,7 +364,8 @@ class _LogitsKD(torch.autograd.Function):
         else:
             buf = torch.empty(rows, vl + 1, dtype=cd, device=dev)
             chunks = []
-            label = None if labels is None else _Labels.make(student, labels, shard, cd)
+            label = None if labels is None else _Labels.make(labels, vl, shard, dev)
+            label_logit = None if label is None else label.logits(student, shard, cd)
             lm = None if labels is None else torch.empty(n, dtype=cd, device=dev)
             for r0 in range(0, n, rows):
                 r = slice(r0, min(n, r0 + rows))
@@ -369,7 +375,7 @@ class _LogitsKD(torch.autograd.Function):
                 out = _student_side(student[r], b, cfg, shard, cd, st is not None, *side, lm=labels is not None)
                 loss[r] = out["loss"]
                 if label is not None:  # -log q(label) = lse - (x_label - centre): both centred, as megatron's
-                    lm[r] = torch.where(label.valid[r], out["lse"] - (label.logit[r] - out["centre"]), 0.0)
+                    lm[r] = torch.where(label.valid[r], out["lse"] - (label_logit[r] - out["centre"]), 0.0)
                 chunks.append((r, out["gidx"], out["keep"], out["cand_grad"], out["coef"], out["centre"],
                                out.get("q")))
                 if st is not None:
@@ -387,8 +393,7 @@ class _LogitsKD(torch.autograd.Function):
             loss.clamp_min_(0.0)
         if cfg.loss_scale != 1.0:
             loss.mul_(cfg.loss_scale)
-        ctx.fused_lm = not dense and labels is not None
-        if ctx.fused_lm:
+        if not dense and labels is not None:
             return (loss, lm) if cd == torch.float64 else (loss.float(), lm.float())
         return loss if cd == torch.float64 else loss.float()
 
@@ -454,26 +459,29 @@ class _LogitsKD(torch.autograd.Function):
 
 
 class _Labels(NamedTuple):
-    """The fused LM loss's targets: each row's raw logit at its label (from the rank that owns it, in the compute
-    dtype), the label's local column (clamped into this shard) and whether this rank owns it, and whether it is a
-    vocabulary id at all (a label outside [0, V) is ignored: loss 0, no gradient, as torch's ignore_index)."""
+    """The fused LM loss's targets: each label's local column (clamped into this shard), whether this rank owns it,
+    and whether it is a vocabulary id at all (a label outside [0, V) is ignored: loss 0, no gradient, as torch's
+    ignore_index)."""
 
-    logit: torch.Tensor
     local: torch.Tensor
     owned: torch.Tensor
     valid: torch.Tensor
 
     @staticmethod
-    def make(student: torch.Tensor, labels: torch.Tensor, shard: Shard, cd) -> "_Labels":
-        n, vl = student.shape
-        lab = labels.reshape(-1).to(student.device, torch.long)
-        if lab.shape[0] != n:
-            raise ValueError(f"labels has {lab.shape[0]} entries, expected one per token ({n})")
+    def make(labels: torch.Tensor, local_vocab: int, shard: Shard, device) -> "_Labels":
+        lab = labels.reshape(-1).to(device, torch.long)
         local = lab - shard.offset
-        owned = (local >= 0) & (local < vl)
-        local = local.clamp(0, vl - 1)
-        logit = torch.where(owned, student.gather(1, local[:, None])[:, 0].to(cd), 0.0)
-        return _Labels(shard.all_reduce_(logit), local, owned, (lab >= 0) & (lab < shard.vocab))
+        owned = (local >= 0) & (local < local_vocab)
+        return _Labels(local.clamp(0, local_vocab - 1), owned, (lab >= 0) & (lab < shard.vocab))
+
+    def logits(self, student: torch.Tensor, shard: Shard, cd) -> torch.Tensor:
+        """Each row's raw logit at its label, from the rank that owns it (0 where none does), in `cd`."""
+        picked = torch.where(self.owned, student.gather(1, self.local[:, None])[:, 0].to(cd), 0.0)
+        return shard.all_reduce_(picked)
+
+
+def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
 def _teacher_side(teacher, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool):
@@ -544,7 +552,7 @@ def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, g
         m_loc = xs.amax(1)
         m_s = torch.maximum(shard.all_reduce_(m_loc.clone(), op=dist.ReduceOp.MAX) if shard.world > 1 else m_loc,
                             sv.amax(1))
-        m_s = torch.where(torch.isfinite(m_s), m_s, torch.zeros_like(m_s))
+        m_s = _finite_or_zero(m_s)
         lns, _ = _masked_lse_(xs, shard, m_s, m_loc, cfg.temperature)
         # One exp over S gives the log-sum-exp, the log-probs and the probabilities. The total is >= 1 (the row max
         # is a term, inside S or in exp(lns)), so the floor's exp(-80) per entry (not kept: -inf) is below its
@@ -567,8 +575,7 @@ def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, g
         cand_grad = g - b_r.exp() * g.sum(1, keepdim=True)
         coef = None
         if lm:  # the KD term has nothing outside S; the LM term has
-            fin = torch.isfinite(lns)
-            coef = (torch.zeros_like(lns), torch.where(fin, lns, torch.zeros_like(lns)), lr_s.exp())
+            coef = (torch.zeros_like(lns), _finite_or_zero(lns), lr_s.exp())
     else:
         # Forward KL with every candidate kept: g = -p on S, whose sum is minus the teacher's kept mass, 1 - r_t
         # (from its residual's log: no pass over the buckets, and no -p); the loss is sum p (a - b).
@@ -592,10 +599,8 @@ def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, g
             cand_grad = g - q * gsum[:, None]
         # Outside S: dL/ds_i = exp(s_i - lse_notS) (h - G r_s); backward recomputes the first factor from the
         # centre and lse_notS (0 where nothing is outside S: no entry reads it).
-        fin = torch.isfinite(lns)
         r_s = lr_s.exp()
-        coef = (torch.where(fin, h - gsum * r_s, torch.zeros_like(lns)), torch.where(fin, lns, torch.zeros_like(lns)),
-                r_s)
+        coef = (torch.where(torch.isfinite(lns), h - gsum * r_s, torch.zeros_like(lns)), _finite_or_zero(lns), r_s)
     out = {"loss": loss, "gidx": gidx, "keep": keep, "cand_grad": cand_grad, "coef": coef, "centre": m_s}
     if lm:
         out.update(lse=lse_s, q=q)

@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 
 from kdexp.losses._shard import Shard
-from kdexp.losses.logits import _Labels, _lse_, _load_
+from kdexp.losses.logits import _Labels, _lse_, _load_, check_label_shape
 from kdexp.losses.options import KDLossOptions
 
 _CHUNK_BYTES = 64 << 20  # scratch per chunk of rows (float64 cumsum when sampling, float32 softmax in backward)
@@ -228,7 +228,7 @@ class _SparseCE(torch.autograd.Function):
         picked = torch.empty_like(w2)
         rows = _rows((vl + 1) * torch.finfo(cdtype).bits // 8, n)
         buf = torch.empty(rows, vl + 1, dtype=cdtype, device=z.device)
-        label = None if labels is None else _Labels.make(z2, labels, shard, cdtype)
+        label = None if labels is None else _Labels.make(labels, vl, shard, z.device)
         lm = None if labels is None else torch.zeros(n, dtype=cdtype, device=z.device)
         for lo in range(0, n, rows):
             hi = min(n, lo + rows)
@@ -299,9 +299,7 @@ def sampled_kd_loss(student_logits: torch.Tensor, ids: torch.Tensor, weights: to
         if not KDLossOptions(temperature=temperature).fuses_lm(sampled=True):
             raise ValueError(f"labels (the fused LM loss) need temperature 1.0, got {temperature}: compute the LM "
                              "loss separately")
-        if labels.shape != student_logits.shape[:-1] or labels.is_floating_point():
-            raise ValueError(f"labels must be an integer tensor of shape {tuple(student_logits.shape[:-1])}, got "
-                             f"{tuple(labels.shape)} {labels.dtype}")
+        check_label_shape(labels, student_logits)
     return _SparseCE.apply(student_logits, ids, weights, teacher_logprobs, float(temperature), scale, tp_group, labels)
 
 
