@@ -110,6 +110,39 @@ def _cfg(*overrides):
         return compose(config_name="config", overrides=["experiment=smoke", *overrides])
 
 
+@pytest.mark.parametrize("overrides,per_token", [(("teacher=cached", "teacher.k_max=256"), 256 * 12 + 8),
+                                                  (("teacher=cached", "loss=sampled"), 64 * 20 + 8)])
+def test_a_cached_teacher_is_planned_as_its_record_not_its_forward(overrides, per_token):
+    """teacher=cached: the train step reads the batch's decoded record (fp32 values + int64 ids + 2 log-sum-exps; for
+    draws, ids + counts + logits + 2 log-normalisers) instead of running the teacher: no teacher logits, no teacher
+    forward phase, no teacher FLOPs in the step; the teacher's weights stay (eval runs the real teacher)."""
+    online, cached = make_plan(_cfg()), make_plan(_cfg(*overrides))
+    items = {name: b for name, b, _ in cached.items}
+    n = 2 * 64
+    assert items["teacher cache record"] == n * per_token
+    assert "teacher logits" not in items and "teacher forward layer" not in items
+    assert items["teacher weights"] == {name: b for name, b, _ in online.items}["teacher weights"]
+    assert cached.flops["teacher"] == 0 and cached.flops["total"] == cached.flops["student"]
+    assert cached.flops["student"] == online.flops["student"]
+
+
+@pytest.mark.parametrize("record", ["topk", "sampled"])
+def test_the_decoded_record_size_is_what_decode_record_returns(record):
+    """Layout.decoded_bytes_per_token (the plan's item) against the tensors decode_record builds from a shard's
+    arrays, compact values and 3-byte ids included."""
+    import numpy as np
+
+    from kdexp.teacher import format as fmt
+
+    extra = dict(k_max=40) if record == "topk" else dict(k_max=0, record="sampled", draws=24,
+                                                        proposal_temperature=1.0, draw_seed=0)
+    lay = fmt.Layout(samples=3, seq_length=5, temperatures=(1.0, 2.0), values="bfloat16",
+                     index_bytes=fmt.index_bytes(151_936), shard_samples=3, **extra)
+    parts = {part: np.zeros(shape, dt) for part, (shape, dt) in lay.shapes(3).items()}
+    out = fmt.decode_record(lay, parts, 1)
+    assert sum(t.numel() * t.element_size() for t in out) == 3 * 5 * lay.decoded_bytes_per_token()
+
+
 def test_the_smoke_plan_item_by_item():
     p = make_plan(_cfg())
     items = {name: b for name, b, _ in p.items}

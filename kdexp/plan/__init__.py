@@ -14,7 +14,9 @@ fixed reserve (CUDA context, cuBLAS workspace, NCCL buffers, allocator fragmenta
 the GPU's memory. Precision: fp32 keeps fp32 weights, gradients and Adam moments; bf16 (trainer.precision) keeps bf16
 weights and activations with fp32 gradients (reduced in fp32), fp32 master weights and Adam moments (12 bytes per
 parameter, split over DP with a distributed optimizer); model.params_dtype=bfloat16 alone is pure bf16 (AdamW on the
-bf16 weights). The teacher never has gradients or optimizer state.
+bf16 weights). The teacher never has gradients or optimizer state. With teacher=cached the step reads the batch's
+decoded cache record (kdexp.teacher.format.Layout.decoded_bytes_per_token) instead of running the teacher: no teacher
+logits, forward transient or FLOPs in the step; its weights stay for evaluation.
 """
 from __future__ import annotations
 
@@ -109,6 +111,22 @@ def _chunk_rows(tokens: int, local_vocab: int) -> int:
     return rows(tokens, SimpleNamespace(max_local_vocab=local_vocab), torch.float32, None)
 
 
+def _cache_layout(cfg, vocab: int):
+    """The offline teacher cache's layout (its record type, K_max or draws, value dtype) for teacher=cached, else
+    None; the sample count does not matter here (kdexp.teacher.writer.layout_for is the run's own)."""
+    if cfg.teacher.name != "cached":
+        return None
+    from kdexp.teacher import format as fmt
+
+    tc, loss = cfg.teacher, cfg.loss
+    common = dict(samples=0, seq_length=int(cfg.trainer.seq_length), temperatures=tuple(tc.temperatures),
+                  values=tc.dtype, index_bytes=fmt.index_bytes(vocab), shard_samples=tc.shard_samples)
+    if loss.samples is None:
+        return fmt.Layout(k_max=tc.k_max, **common)
+    return fmt.Layout(k_max=0, record="sampled", draws=int(loss.samples),
+                      proposal_temperature=float(loss.proposal_temperature), draw_seed=0, **common)
+
+
 def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU) -> Plan:
     """The plan of a composed config on `gpus` GPUs (default: one DP replica, parallel.tensor GPUs)."""
     from kdexp.config.checks import accumulation_steps
@@ -166,12 +184,16 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     needs_lm = BalancerOptions.from_config(cfg.balancer).build().needs_lm_loss and not fused
     top_k, top_p = cfg.loss.top_k, cfg.loss.top_p
     kd_saved = sizing.kd_saved_per_token(top_k, top_p, TOP_P_INITIAL_K, fused_lm=fused)
+    layout = _cache_layout(cfg, student.vocab_size)  # teacher=cached: no teacher forward in the train step
     logits = sizing.logits_bytes(tokens, vocab, e, needs_lm=needs_lm, kd_saved=kd_saved,
                                  chunk_rows=_chunk_rows(tokens, vocab),
                                  kept=0 if top_k is None and top_p is None else (top_k or TOP_P_INITIAL_K),
-                                 cut=top_p is not None)
+                                 cut=top_p is not None,
+                                 cache_record=None if layout is None else layout.decoded_bytes_per_token())
     shape = f"[{tokens}, {vocab}]"
     notes = {"teacher logits": f"{shape} {dt}", "student logits": f"{shape} {dt}",
+             "teacher cache record": None if layout is None else
+             f"{layout.describe()} per token, as read (fp32 values, int64 ids); teacher weights kept for eval",
              "LM loss fp32 softmax": f"{shape} fp32", "KD loss saved values": f"top_k={top_k} top_p={top_p}",
              "logit gradients": "KD" + (" + LM" if needs_lm else " (LM fused)" if fused else ""), "KD loss chunk buffer": "fp32, one chunk of tokens"}
     p.items += [(k, v, notes[k]) for k, v in logits.items() if v]
@@ -181,7 +203,7 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     teacher_layer = tokens * max((4 + 4 + (2 if e == 2 else 0)) * a_t * seq, 5 * e * teacher.intermediate_size / tp)
     static = ("teacher weights", "student weights", "student gradients", "optimizer state", "attention score buffer")
     student_phase = sum(v for k, v, _ in p.items if k not in static)
-    teacher_phase = logits["teacher logits"] + teacher_layer
+    teacher_phase = 0 if layout is not None else logits["teacher logits"] + teacher_layer
     if teacher_phase > student_phase:
         p.items = [it for it in p.items if it[0] in static]
         p.items += [("teacher logits", logits["teacher logits"], f"{shape} {dt}"),
@@ -190,7 +212,7 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     p.reserve = RESERVE_GIB * GiB + FRAGMENTATION * p.peak
 
     fs = sizing.flops_per_token(student, seq, backward=True)
-    ft = sizing.flops_per_token(teacher, seq, backward=False)
+    ft = 0.0 if layout is not None else sizing.flops_per_token(teacher, seq, backward=False)  # cached: a one-off build
     p.flops = {"student": fs, "teacher": ft, "total": fs + ft,
                "recompute": sizing.recompute_flops_per_token(student, seq, recompute),
                "student_6n": 6 * sum(sizing.matmul_params(student)), "teacher_2n": 2 * sum(sizing.matmul_params(teacher))}
@@ -225,7 +247,7 @@ def format_table(p: Plan) -> str:
     lines += [
         f"{'FLOPs per token':<{w}} {f['total'] / 1e9:>9,.2f} G  student fwd+bwd {f['student'] / 1e9:,.2f} G "
         f"(6N {f['student_6n'] / 1e9:,.2f} G + attention), teacher fwd {f['teacher'] / 1e9:,.2f} G "
-        f"(2N {f['teacher_2n'] / 1e9:,.2f} G + attention)"
+        f"(2N {f['teacher_2n'] / 1e9:,.2f} G + attention)" + ("; 0 in the step: teacher=cached" if not f['teacher'] else "")
         + (f"; recompute adds {f['recompute'] / 1e9:,.2f} G (not model FLOPs)" if f["recompute"] else ""),
         f"{'tokens/s at MFU':<{w}} {tps:>9,.0f}  per GPU; {tps * p.gpus:,.0f} on {p.gpus} GPU(s) "
         f"(MFU {p.mfu:.0%} of {p.peak_tflops:g} TFLOP/s); step of {p.global_batch * p.seq:,} tokens "

@@ -127,9 +127,12 @@ KD_CHUNK_K_ARRAYS_CUT = 9
 
 
 def logits_bytes(tokens: int, local_vocab: int, act_bytes: int, *, needs_lm: bool, kd_saved: float,
-                 chunk_rows: int, kept: int = 0, cut: bool = False) -> dict[str, float]:
+                 chunk_rows: int, kept: int = 0, cut: bool = False,
+                 cache_record: int | None = None) -> dict[str, float]:
     """The logit-sized buffers at the start of the backward pass (their peak), per TP rank:
-    teacher and student logits [tokens, V/t] (both kept by the KD loss and the step); the LM loss's fp32 copy (which
+    teacher and student logits [tokens, V/t] (both kept by the KD loss and the step; with an offline teacher cache,
+    `cache_record` bytes per token of the batch's decoded record instead of the teacher's logits, on every TP rank:
+    kdexp.teacher.format.Layout.decoded_bytes_per_token); the LM loss's fp32 copy (which
     megatron's vocab-parallel cross-entropy turns into its saved softmax) when the balancer needs a separate LM loss
     (`needs_lm`; an LM loss fused into the KD loss has neither the copy nor a gradient of its own); the KD loss's
     O(K) values; the logit gradients (the KD loss's, plus the LM loss's cast to the logits' dtype); the KD loss's
@@ -139,7 +142,8 @@ def logits_bytes(tokens: int, local_vocab: int, act_bytes: int, *, needs_lm: boo
     k_arrays = KD_CHUNK_K_ARRAYS_CUT if cut else KD_CHUNK_K_ARRAYS
     v = tokens * local_vocab
     return {
-        "teacher logits": v * act_bytes,
+        **({"teacher logits": v * act_bytes} if cache_record is None else
+           {"teacher cache record": tokens * cache_record}),
         "student logits": v * act_bytes,
         "LM loss fp32 softmax": v * 4 if needs_lm else 0.0,
         "KD loss saved values": tokens * kd_saved,

@@ -107,6 +107,14 @@ class Layout:
             return self.k_max * entry + 8 * len(self.temperatures)
         return self.draws * (entry + count_bytes(self.draws)) + 4 * (len(self.temperatures) + 1)
 
+    def decoded_bytes_per_token(self) -> int:
+        """What `decode_record` hands the loss per token, on the device, at one temperature (kdexp.plan counts it in
+        place of the teacher's logits): topk K float32 values + K int64 ids + 2 float32 log-sum-exps; sampled S int64
+        ids + S int64 counts + S float32 centred logits + 2 float32 log-normalisers (S = draws)."""
+        if self.record == "topk":
+            return self.k_max * (4 + 8) + 2 * 4
+        return self.draws * (8 + 8 + 4) + 2 * 4
+
     def shapes(self, n: int) -> dict[str, tuple[tuple, np.dtype]]:
         """File name suffix -> (shape, numpy dtype) of a shard of `n` samples."""
         s, k, nt = self.seq_length, self.slots, len(self.temperatures)
