@@ -24,7 +24,9 @@ distribution computes both.
 
 Memory and speed: a custom autograd.Function computes everything chunk by chunk over tokens in float32 (float64 for
 float64 inputs) and saves only the inputs plus O(K) values per token; backward recomputes the student softmax per
-chunk. Per chunk and distribution the full-vocabulary work is one copy into a scratch buffer, one fused (in-place on
+chunk. One exception: Top-K without a nucleus cut on float32 logits without TP computes the student's exps outside S
+straight into the rows of the gradient tensor (allocated in forward instead of backward: no extra memory), which the
+backward then scales in place instead of recomputing them. Per chunk and distribution the full-vocabulary work is one copy into a scratch buffer, one fused (in-place on
 CPU) log_softmax / softmax and two cheap max reductions; the teacher adds one unsorted topk. The
 gradient w.r.t. logits/T of the full-normalization loss is, with g = dL/d(kept student log-probs), h = dL/d(student
 log-residual), G = sum g + h, q the student softmax, r the student residual:
@@ -50,7 +52,16 @@ from kdexp.losses.options import KDLossOptions
 # Top-P without a Top-K bound starts from this many candidates and grows x4 until the nucleus fits.
 TOP_P_INITIAL_K = 1024
 _MiB = 1 << 20
-_EXP_FLOOR = -80.0  # exp(-80) = 1.8e-35: a normal float32 (see _masked_lse_)
+
+
+def _exp_floor(dtype: torch.dtype) -> float:
+    """The exponent below which the sparse losses' masked sums take exp(floor) instead of exp(x) (see _masked_lse_):
+    -40 in float32, -80 in float64. Each floored entry adds at most exp(floor) to a sum >= 1: 4.2e-18 (float32, eps
+    6e-8) and 1.8e-35 (float64, eps 1e-16) per entry, below the sum's rounding even for 152k entries. Why not lower
+    in float32: the held exps (_LogitsKD) are multiplied by the gradient's per-row factor, and exp(-80) = 1.8e-35
+    times a factor below 1e-3 is a subnormal float32, whose arithmetic is as slow as the exp's own slow path
+    (measured: that backward took 6.9 ms instead of 2.2 ms in a train step, at the step's 1/tokens loss scale)."""
+    return -80.0 if dtype == torch.float64 else -40.0
 
 
 class KDStats(NamedTuple):
@@ -296,8 +307,9 @@ def _lse_(x: torch.Tensor, shard: Shard, offset: torch.Tensor | None = None):
 
 def _masked_lse_(x: torch.Tensor, shard: Shard, offset: torch.Tensor | None = None, m: torch.Tensor | None = None,
                  temperature: float = 1.0):
-    """(global log-sum-exp [c], this rank's log-sum-exp [c]) of (x - offset) / T for a chunk x with entries masked
-    to -inf (the kept set S out); x is consumed (exponentiated in place). m: x's row max, if already known.
+    """(global log-sum-exp [c], this rank's log-sum-exp [c], row sums [c]) of (x - offset) / T for a chunk x with
+    entries masked to -inf (the kept set S out). x is left holding exp((x - m) / T) (m: x's row max, if already
+    known; exponents floored at _exp_floor, so masked entries hold exp(floor)), whose row sums are the third value.
 
     For the sparse losses, which need the log-sum-exp outside S and nothing else of the chunk: sub, floor, exp and
     sum passes where _lse_'s fused log-softmax writes a log-softmax nobody reads. exp((x - m) / T) sums positive
@@ -311,13 +323,13 @@ def _masked_lse_(x: torch.Tensor, shard: Shard, offset: torch.Tensor | None = No
     if temperature != 1.0:
         x.div_(temperature)
     # exp of -inf (the mask) or of anything below ~-87 (a zero or subnormal result) takes a slow path on x86 CPUs,
-    # 2.5x-20x the time of a normal exp. Clamped at -80 each such entry adds exp(-80) = 1.8e-35 to a sum >= 1
-    # (the max term is exp(0)): far below its rounding, so the sum is unchanged; a row with nothing outside S
-    # stays -inf through `fin`.
+    # 2.5x-20x the time of a normal exp. Clamped at the floor each such entry adds exp(floor) to a sum >= 1 (the
+    # max term is exp(0)): far below its rounding, so the sum is unchanged; a row with nothing outside S stays -inf
+    # through `fin`.
     top = mm if offset is None else mm - offset
-    s = x.clamp_min_(_EXP_FLOOR).exp_().sum(1)
-    loc = torch.where(fin, s.log_().add_(_scaled(top, temperature)), torch.full_like(m, -math.inf))
-    return shard.logsumexp_(loc), loc
+    s = x.clamp_min_(_exp_floor(x.dtype)).exp_().sum(1)
+    loc = torch.where(fin, s.log().add_(_scaled(top, temperature)), torch.full_like(m, -math.inf))
+    return shard.logsumexp_(loc), loc, s
 
 
 class _LogitsKD(torch.autograd.Function):
@@ -362,14 +374,21 @@ class _LogitsKD(torch.autograd.Function):
                 st["teacher_residual_mass"].zero_()
                 st["student_residual_mass"].zero_()
         else:
-            buf = torch.empty(rows, vl + 1, dtype=cd, device=dev)
+            # Top-K without a nucleus cut, no TP, float32: the gradient is allocated here and each chunk computes its
+            # student exps outside S in its own rows (every candidate is a column: no scratch column needed). The
+            # backward then scales them in place (one pass) instead of recomputing them (four). The buffer is the
+            # gradient the backward returns anyway, so it moves that allocation forward rather than adding one, and
+            # the chunk buffer is not needed at all.
+            held = (torch.empty(n, vl, dtype=cd, device=dev) if ctx.needs_input_grad[0] and shard.world == 1
+                    and cfg.top_p is None and cd == torch.float32 and student.dtype == cd else None)
+            buf = torch.empty(rows, vl + 1, dtype=cd, device=dev) if held is None else None
             chunks = []
             label = None if labels is None else _Labels.make(labels, vl, shard, dev)
             label_logit = None if label is None else label.logits(student, shard, cd)
             lm = None if labels is None else torch.empty(n, dtype=cd, device=dev)
             for r0 in range(0, n, rows):
                 r = slice(r0, min(n, r0 + rows))
-                b = buf[: r.stop - r.start]
+                b = buf[: r.stop - r.start] if held is None else held[r]
                 side = (_teacher_side(teacher[r], b, cfg, shard, cd, st is not None) if teacher_side is None
                         else teacher_side(r, cd))
                 out = _student_side(student[r], b, cfg, shard, cd, st is not None, *side, lm=labels is not None)
@@ -377,10 +396,11 @@ class _LogitsKD(torch.autograd.Function):
                 if label is not None:  # -log q(label) = lse - (x_label - centre): both centred, as megatron's
                     lm[r] = torch.where(label.valid[r], out["lse"] - (label_logit[r] - out["centre"]), 0.0)
                 chunks.append((r, out["gidx"], out["keep"], out["cand_grad"], out["coef"], out["centre"],
-                               out.get("q")))
+                               out.get("q"), out["exp_sum"]))
                 if st is not None:
                     for f in KDStats._fields:
                         st[f][r] = out[f]
+            ctx.held = held
             ctx.save_for_backward(student)
             ctx.chunks, ctx.label = chunks, label
         if st is not None:
@@ -427,7 +447,10 @@ class _LogitsKD(torch.autograd.Function):
         # The fused LM loss adds q - onehot(label) (T = 1): outside S q = exp(s - centre - lse_notS) r_s, the KD
         # term's own factor times the student residual; on S the kept probabilities q saved by the forward.
         gl = None if label is None else torch.where(label.valid, grad_lm.reshape(-1).to(cd), 0.0)
-        for r, gidx, keep, cand_grad, coef, centre, q in ctx.chunks:
+        held, ctx.held = ctx.held, None  # the forward's exps are scaled in place once: a second backward
+        if held is not None:             # (retain_graph) recomputes them
+            grad = held
+        for r, gidx, keep, cand_grad, coef, centre, q, exp_sum in ctx.chunks:
             c = r.stop - r.start
             lidx, owned = shard.local_index(gidx, keep)
             # Straight into the gradient when every candidate is a column of it (no TP, no nucleus cut) and it has
@@ -439,6 +462,11 @@ class _LogitsKD(torch.autograd.Function):
             sc = scale[r, None]
             if coef is None:  # renormalize: the loss depends on the kept logits only
                 x.zero_()
+            elif held is not None and exp_sum is not None:
+                # the rows hold e = exp((s - m) / T) outside S, and exp((s - centre) / T - lse_notS) = e / sum(e)
+                cf, _, r_s = coef
+                cf = cf * sc[:, 0] if gl is None else torch.addcmul(gl[r] * r_s, cf, sc[:, 0])
+                x.mul_(cf.div_(exp_sum)[:, None])
             else:  # exp((s - centre) / T - lse_notS) * (h - G r_s) everywhere; S is overwritten just below
                 dst, raw, (cf, lns, r_s) = x[:, :vl], student[r], coef
                 if raw.dtype == cd:
@@ -553,12 +581,12 @@ def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, g
         m_s = torch.maximum(shard.all_reduce_(m_loc.clone(), op=dist.ReduceOp.MAX) if shard.world > 1 else m_loc,
                             sv.amax(1))
         m_s = _finite_or_zero(m_s)
-        lns, _ = _masked_lse_(xs, shard, m_s, m_loc, cfg.temperature)
+        lns, _, exp_sum = _masked_lse_(xs, shard, m_s, m_loc, cfg.temperature)
         # One exp over S gives the log-sum-exp, the log-probs and the probabilities. The total is >= 1 (the row max
-        # is a term, inside S or in exp(lns)), so the floor's exp(-80) per entry (not kept: -inf) is below its
+        # is a term, inside S or in exp(lns)), so the floor's exp(floor) per entry (not kept: -inf) is below its
         # rounding, as in _masked_lse_.
         sv = _scaled(sv - m_s[:, None], cfg.temperature)
-        e = (sv.exp() if keep is None else sv.clamp_min(_EXP_FLOOR).exp_())
+        e = (sv.exp() if keep is None else sv.clamp_min(_exp_floor(sv.dtype)).exp_())
         total = e.sum(1).add_(lns.exp())
         lse_s = total.log()
         b = sv.sub_(lse_s[:, None])  # in place: sv is this function's own centred copy
@@ -601,7 +629,9 @@ def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, g
         # centre and lse_notS (0 where nothing is outside S: no entry reads it).
         r_s = lr_s.exp()
         coef = (torch.where(torch.isfinite(lns), h - gsum * r_s, torch.zeros_like(lns)), _finite_or_zero(lns), r_s)
-    out = {"loss": loss, "gidx": gidx, "keep": keep, "cand_grad": cand_grad, "coef": coef, "centre": m_s}
+    # exp_sum: the row sums of the exps _masked_lse_ left in `buf` (none when renormalised without stats)
+    out = {"loss": loss, "gidx": gidx, "keep": keep, "cand_grad": cand_grad, "coef": coef, "centre": m_s,
+           "exp_sum": exp_sum if need_s else None}
     if lm:
         out.update(lse=lse_s, q=q)
     if want_stats:
