@@ -161,8 +161,12 @@ def test_the_smoke_plan_item_by_item():
     assert unfused["LM loss fp32 softmax"] == n * v * 4
     assert unfused["logit gradients"] == 2 * n * v * 4  # KD's and LM's (alpha=0.9)
     assert unfused["KD loss saved values"] == n * (1024 * (8 + 1 + 4) + 12 + 24)
-    # 128 rows fit the loss's 4 MiB minimum chunk: its [rows, V+1] buffer and the [rows, K+1] temporaries
-    assert items["KD loss chunk buffer"] == n * (v + 1 + sizing.KD_CHUNK_K_ARRAYS * 1025) * 4  # no nucleus cut
+    # 128 rows fit the loss's 4 MiB minimum chunk: its [rows, K+1] temporaries; on float32 logits without TP or a
+    # nucleus cut the loss works in the gradient's own rows (kdexp.losses.logits.holds_gradient), elsewhere in a
+    # [rows, V+1] buffer of its own (bf16 logits here)
+    assert items["KD loss chunk buffer"] == n * sizing.KD_CHUNK_K_ARRAYS * 1025 * 4  # no nucleus cut
+    bf16 = {name: b for name, b, _ in make_plan(_cfg("trainer.precision=bf16")).items}
+    assert bf16["KD loss chunk buffer"] == n * (v + 1 + sizing.KD_CHUNK_K_ARRAYS * 1025) * 4
     assert items["attention score buffer"] == 2 * 4 * 64 * 64 * 4  # micro x heads (4, both) x s x s, fp32
     assert p.peak == sum(items.values()) and p.reserve == GiB + 0.05 * p.peak
     assert p.flops["total"] == sizing.flops_per_token(student, 64, backward=True) + \

@@ -210,6 +210,14 @@ def make_cfg(vocab: int, *, temperature, top_k, top_p, min_k, ghost_token, norma
     )
 
 
+def holds_gradient(top_p, tp_world: int, logits_dtype: torch.dtype) -> bool:
+    """Whether a sparse loss computes the student's exps outside S into the rows of the logit gradient (allocated in
+    forward, scaled in place in backward) instead of a chunk buffer: Top-K without a nucleus cut, without TP, on
+    float32 logits (the gradient then has the compute dtype and every candidate is one of its columns). kdexp.plan
+    sizes the loss's buffers by this rule."""
+    return top_p is None and tp_world == 1 and logits_dtype == torch.float32
+
+
 def _compute_dtype(student: torch.Tensor) -> torch.dtype:
     return torch.float64 if student.dtype == torch.float64 else torch.float32
 
@@ -379,8 +387,8 @@ class _LogitsKD(torch.autograd.Function):
             # backward then scales them in place (one pass) instead of recomputing them (four). The buffer is the
             # gradient the backward returns anyway, so it moves that allocation forward rather than adding one, and
             # the chunk buffer is not needed at all.
-            held = (torch.empty(n, vl, dtype=cd, device=dev) if ctx.needs_input_grad[0] and shard.world == 1
-                    and cfg.top_p is None and cd == torch.float32 and student.dtype == cd else None)
+            held = (torch.empty(n, vl, dtype=cd, device=dev)
+                    if ctx.needs_input_grad[0] and holds_gradient(cfg.top_p, shard.world, student.dtype) else None)
             buf = torch.empty(rows, vl + 1, dtype=cd, device=dev) if held is None else None
             chunks = []
             label = None if labels is None else _Labels.make(labels, vl, shard, dev)
@@ -477,13 +485,31 @@ class _LogitsKD(torch.autograd.Function):
                     dst.div_(cfg.temperature)
                 cf = cf * sc[:, 0] if gl is None else torch.addcmul(gl[r] * r_s, cf, sc[:, 0])
                 dst.sub_(lns[:, None]).exp_().mul_(cf[:, None])
-            g_s = cand_grad * sc if gl is None else torch.addcmul(cand_grad * sc, q, gl[r, None])
+            if isinstance(cand_grad, _SplitGrad):  # e (w sc + gl / total) - p sc: two passes over S
+                f = cand_grad.w * sc[:, 0]
+                if gl is not None:
+                    f.addcmul_(gl[r], cand_grad.inv_total)
+                g_s = torch.mul(cand_grad.p, sc.neg()).addcmul_(cand_grad.e, f[:, None])
+            else:
+                g_s = cand_grad * sc if gl is None else torch.addcmul(cand_grad * sc, q, gl[r, None])
             x.scatter_(1, lidx, g_s)  # entries not owned / not kept land in the scratch column
             if gl is not None:  # - onehot(label), on the rank that owns it
                 x.scatter_add_(1, label.local[r, None], torch.where(label.owned[r], -gl[r], 0.0)[:, None])
             if not direct:
                 grad[r].copy_(x[:, :vl])
         return grad, None, None, None, None, None, None
+
+
+class _SplitGrad(NamedTuple):
+    """Forward KL with every candidate kept: dL/d(student logits / T) on S is e w - p, kept as its parts so that the
+    backward forms the scaled gradient (plus the fused LM term q gl, q = e / total) in two passes over S instead of
+    the forward's two plus the backward's three. e: the student's exps over S (centred, not normalised), w: -G /
+    total per row, p: the teacher's kept probabilities, inv_total: 1 / total."""
+
+    e: torch.Tensor
+    w: torch.Tensor
+    p: torch.Tensor
+    inv_total: torch.Tensor
 
 
 class _Labels(NamedTuple):
@@ -585,17 +611,19 @@ def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, g
         # One exp over S gives the log-sum-exp, the log-probs and the probabilities. The total is >= 1 (the row max
         # is a term, inside S or in exp(lns)), so the floor's exp(floor) per entry (not kept: -inf) is below its
         # rounding, as in _masked_lse_.
-        sv = _scaled(sv - m_s[:, None], cfg.temperature)
+        sv = _scaled(sv.sub_(m_s[:, None]), cfg.temperature)  # in place: sv is this function's own gathered copy
         e = (sv.exp() if keep is None else sv.clamp_min(_exp_floor(sv.dtype)).exp_())
         total = e.sum(1).add_(lns.exp())
         lse_s = total.log()
-        b = sv.sub_(lse_s[:, None])  # in place: sv is this function's own centred copy
-        q = e.div_(total[:, None])  # exp(b); its entries not kept are ~1e-35 and land in the scratch column
+        b = sv.sub_(lse_s[:, None])
+        inv_total = total.reciprocal()  # q = exp(b) = e / total; its entries not kept land in the scratch column
         lr_s = lns - lse_s
     else:  # renormalised without stats: only differences within S matter, the max over S centres them
         m_s = sv.amax(1)
         b = _scaled(sv - m_s[:, None], cfg.temperature)
 
+    fkl = cfg.divergence == "forward_kl" and keep is None and not cfg.renormalize
+    q = e.mul_(inv_total[:, None]) if need_s and not fkl else None  # forward KL keeps e and 1 / total (below)
     if cfg.renormalize:
         a_r = a_kept - torch.logsumexp(a_kept, 1, keepdim=True)
         b_r = b - torch.logsumexp(b, 1, keepdim=True)
@@ -607,10 +635,9 @@ def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, g
     else:
         # Forward KL with every candidate kept: g = -p on S, whose sum is minus the teacher's kept mass, 1 - r_t
         # (from its residual's log: no pass over the buckets, and no -p); the loss is sum p (a - b).
-        fkl = cfg.divergence == "forward_kl" and keep is None
         if fkl:
             p = a.exp()
-            loss = _rowdot_(a - b, p)
+            loss = _rowdot_(a.sub_(b), p)  # a is the teacher side's own copy, not read after this
         else:
             loss, g = bucket_divergence(a_kept, b, keep, cfg.divergence, cfg.beta)
         if cfg.ghost:  # the ghost bucket: its term of the same sum (invalid where lr_t is -inf: S is everything)
@@ -619,9 +646,9 @@ def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, g
             loss, h = loss + ghost, h[:, 0]
         else:
             h = torch.zeros_like(loss)
-        if fkl:  # G = -(1 - r_t) + h (-1 with the ghost bucket); dL/ds on S = g - q G = q (-G) - p
+        if fkl:  # G = -(1 - r_t) + h (-1 with the ghost bucket); dL/ds on S = g - q G = e (-G / total) - p
             gsum = torch.expm1(lr_t) + h
-            cand_grad = (q * gsum.neg()[:, None]).sub_(p)
+            cand_grad = _SplitGrad(e, gsum.neg().mul_(inv_total), p, inv_total)
         else:
             gsum = g.sum(1) + h
             cand_grad = g - q * gsum[:, None]

@@ -131,7 +131,9 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     """The plan of a composed config on `gpus` GPUs (default: one DP replica, parallel.tensor GPUs)."""
     from kdexp.config.checks import accumulation_steps
     from kdexp.losses import BalancerOptions, KDLossOptions
-    from kdexp.losses.logits import TOP_P_INITIAL_K
+    import torch
+
+    from kdexp.losses.logits import TOP_P_INITIAL_K, holds_gradient
     from kdexp.losses.options import SampledKDOptions
     from kdexp.models import check_tp
 
@@ -189,7 +191,8 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
                                  chunk_rows=_chunk_rows(tokens, vocab),
                                  kept=0 if top_k is None and top_p is None else (top_k or TOP_P_INITIAL_K),
                                  cut=top_p is not None,
-                                 cache_record=None if layout is None else layout.decoded_bytes_per_token())
+                                 cache_record=None if layout is None else layout.decoded_bytes_per_token(),
+                                 held=top_k is not None and holds_gradient(top_p, tp, torch.float32 if e == 4 else None))
     shape = f"[{tokens}, {vocab}]"
     notes = {"teacher logits": f"{shape} {dt}", "student logits": f"{shape} {dt}",
              "teacher cache record": None if layout is None else

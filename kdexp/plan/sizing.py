@@ -128,7 +128,7 @@ KD_CHUNK_K_ARRAYS_CUT = 9
 
 def logits_bytes(tokens: int, local_vocab: int, act_bytes: int, *, needs_lm: bool, kd_saved: float,
                  chunk_rows: int, kept: int = 0, cut: bool = False,
-                 cache_record: int | None = None) -> dict[str, float]:
+                 cache_record: int | None = None, held: bool = False) -> dict[str, float]:
     """The logit-sized buffers at the start of the backward pass (their peak), per TP rank:
     teacher and student logits [tokens, V/t] (both kept by the KD loss and the step; with an offline teacher cache,
     `cache_record` bytes per token of the batch's decoded record instead of the teacher's logits, on every TP rank:
@@ -138,7 +138,8 @@ def logits_bytes(tokens: int, local_vocab: int, act_bytes: int, *, needs_lm: boo
     O(K) values; the logit gradients (the KD loss's, plus the LM loss's cast to the logits' dtype); the KD loss's
     fp32 chunk buffer [rows, V/t + 1] (dense: two [rows, V/t], teacher and student) and its chunk's `kept`-wide
     temporaries (top-k values and indices, kept log-probs, divergence terms and gradients: small at real scale, where
-    K << V/t; more with a nucleus `cut`)."""
+    K << V/t; more with a nucleus `cut`). `held` (kdexp.losses.logits.holds_gradient): the loss works in the
+    gradient's own rows, so the chunk buffer is its K-wide temporaries alone."""
     k_arrays = KD_CHUNK_K_ARRAYS_CUT if cut else KD_CHUNK_K_ARRAYS
     v = tokens * local_vocab
     return {
@@ -148,7 +149,7 @@ def logits_bytes(tokens: int, local_vocab: int, act_bytes: int, *, needs_lm: boo
         "LM loss fp32 softmax": v * 4 if needs_lm else 0.0,
         "KD loss saved values": tokens * kd_saved,
         "logit gradients": v * act_bytes * (2 if needs_lm else 1),
-        "KD loss chunk buffer": (chunk_rows * (local_vocab + 1 + k_arrays * (kept + 1)) * 4 if kept else
+        "KD loss chunk buffer": (chunk_rows * ((0 if held else local_vocab + 1) + k_arrays * (kept + 1)) * 4 if kept else
                                  2 * chunk_rows * local_vocab * 4),  # dense: a teacher and a student chunk
     }
 
