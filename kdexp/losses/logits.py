@@ -298,13 +298,14 @@ def _softmax_(x: torch.Tensor) -> torch.Tensor:
     return torch.softmax(x, 1)
 
 
-def _lse_(x: torch.Tensor, shard: Shard, offset: torch.Tensor | None = None):
-    """(global log-sum-exp [c], this rank's log-sum-exp [c], this rank's log-softmax). x is consumed. The log-sum-exps
-    are of x - offset (the centre _load_ left to take off; None: 0).
+def _lse_(x: torch.Tensor, shard: Shard, offset: torch.Tensor | None = None, into: torch.Tensor | None = None):
+    """(global log-sum-exp [c], this rank's log-sum-exp [c], this rank's log-softmax). x is consumed, or with `into`
+    (a [c, V] buffer) only read: the log-softmax is written there in one fused pass. The log-sum-exps are of
+    x - offset (the centre _load_ left to take off; None: 0).
 
     -inf where every entry is masked; the log-softmax of such a row is NaN and must not be used."""
     m = x.amax(1)
-    out = _log_softmax_(x)
+    out = _log_softmax_(x) if into is None else torch.ops.aten._log_softmax.out(x, 1, False, out=into)
     # out = x - m - log(sum exp(x - m)): its row max is exactly -log(sum ...), so lse = m - max(out). Two cheap
     # reductions instead of a max-with-index pass and a gather. m - offset is exact near the row max (Sterbenz), so
     # the centred lse keeps the precision of an O(1) number.

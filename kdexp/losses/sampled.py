@@ -210,9 +210,10 @@ class _SparseCE(torch.autograd.Function):
     """-sum_i w_i log softmax(z / T)_{id_i} (+ sum_i w_i log p_i), the student's softmax over the global vocabulary.
 
     Per chunk of rows the vocabulary is read into one reused scratch buffer (logits.py's `_load_`) and its
-    log-sum-exp taken by the fused in-place log-softmax (`_lse_`): forward is a copy and one fused pass; backward a
-    copy, exp(z/T - lse) in place, one scale and a scatter of the weights (ids not on this rank land in a scratch
-    column), as dense as a cross-entropy."""
+    log-sum-exp taken by the fused log-softmax (`_lse_`): forward is one fused pass from the logits into the buffer
+    (at T = 1; else a copy / T first, then in place); backward exp(z/T - lse), one scale and a scatter of the weights,
+    written straight into the gradient without TP (with TP through the buffer, whose scratch column takes the ids of
+    other ranks), as dense as a cross-entropy."""
 
     @staticmethod
     def forward(ctx, z, ids, weights, teacher_logprobs, temperature, scale, tp_group, labels=None):
@@ -230,11 +231,19 @@ class _SparseCE(torch.autograd.Function):
         buf = torch.empty(rows, vl + 1, dtype=cdtype, device=z.device)
         label = None if labels is None else _Labels.make(labels, vl, shard, z.device)
         lm = None if labels is None else torch.zeros(n, dtype=cdtype, device=z.device)
+        raw = temperature == 1.0 and z2.dtype == cdtype  # z itself is z / T: log-softmax it straight into buf
         for lo in range(0, n, rows):
             hi = min(n, lo + rows)
-            x, _ = _load_(buf[: hi - lo], z2[lo:hi], temperature, None)  # z / T; the scratch column is -inf
-            picked[lo:hi] = x.gather(1, gather_idx[lo:hi])
-            lse_g, lse_l, logp = _lse_(x, shard)  # consumes x: its local log-softmax
+            if raw:
+                x = z2[lo:hi]
+                picked[lo:hi] = x.gather(1, gather_idx[lo:hi])
+                # x is read, not consumed; the log-softmax goes to a contiguous [c, V] view of the buffer (given the
+                # buffer's [c, :V] slice, with its V+1 row stride, the out= kernel restrides it to contiguous)
+                lse_g, lse_l, logp = _lse_(x, shard, into=buf.view(-1)[: (hi - lo) * vl].view(hi - lo, vl))
+            else:
+                x, _ = _load_(buf[: hi - lo], z2[lo:hi], temperature, None)  # z / T; the scratch column is -inf
+                picked[lo:hi] = x.gather(1, gather_idx[lo:hi])
+                lse_g, lse_l, logp = _lse_(x, shard)  # consumes x: its local log-softmax
             lse[lo:hi] = lse_g
             if label is not None:  # -log q(label) (T = 1), from the fused log-softmax as megatron's; owner only
                 lp = logp.gather(1, label.local[lo:hi, None])[:, 0]
@@ -246,6 +255,7 @@ class _SparseCE(torch.autograd.Function):
         loss = (w2 * (target - log_s)).sum(1) * scale
         ctx.save_for_backward(z2, lidx, w2, lse)
         ctx.temperature, ctx.scale, ctx.shape, ctx.rows, ctx.label = temperature, scale, z.shape, rows, label
+        ctx.world = shard.world
         if label is None:
             return loss.reshape(z.shape[:-1])
         return loss.reshape(z.shape[:-1]), shard.all_reduce_(lm).reshape(z.shape[:-1])
@@ -264,15 +274,27 @@ class _SparseCE(torch.autograd.Function):
             gl_owned = torch.where(label.owned, -gl, 0.0)
         w_go = w2 * go[:, None]  # ids not on this rank index the scratch column: no mask needed
         rows = ctx.rows
-        buf = torch.empty(rows, vl + 1, dtype=w2.dtype, device=z2.device)
+        # Straight into the gradient without TP (every id is a column of it) when it has the compute dtype; else
+        # through a buffer whose last column takes the ids of other ranks.
+        direct = ctx.world == 1 and grad.dtype == w2.dtype
+        buf = None if direct else torch.empty(rows, vl + 1, dtype=w2.dtype, device=z2.device)
         for lo in range(0, n, rows):
             hi = min(n, lo + rows)
-            x, _ = _load_(buf[: hi - lo], z2[lo:hi], ctx.temperature, None)
-            x.sub_(lse[lo:hi, None]).exp_().mul_(coef[lo:hi, None])  # the student softmax, scaled
+            if direct:
+                x = grad[lo:hi]
+                if ctx.temperature == 1.0:
+                    torch.sub(z2[lo:hi], lse[lo:hi, None], out=x)
+                else:
+                    torch.div(z2[lo:hi], ctx.temperature, out=x).sub_(lse[lo:hi, None])
+            else:
+                x, _ = _load_(buf[: hi - lo], z2[lo:hi], ctx.temperature, None)
+                x.sub_(lse[lo:hi, None])
+            x.exp_().mul_(coef[lo:hi, None])  # the student softmax, scaled
             x.scatter_add_(1, lidx[lo:hi], w_go[lo:hi].neg())
             if label is not None:
                 x.scatter_add_(1, label.local[lo:hi, None], gl_owned[lo:hi, None])
-            grad[lo:hi].copy_(x[:, :vl])
+            if not direct:
+                grad[lo:hi].copy_(x[:, :vl])
         return grad.reshape(ctx.shape), None, None, None, None, None, None, None
 
 
