@@ -112,19 +112,13 @@ def _chunk_rows(tokens: int, local_vocab: int) -> int:
 
 
 def _cache_layout(cfg, vocab: int):
-    """The offline teacher cache's layout (its record type, K_max or draws, value dtype) for teacher=cached, else
-    None; the sample count does not matter here (kdexp.teacher.writer.layout_for is the run's own)."""
+    """The offline teacher cache's layout for teacher=cached (its record type, K_max or draws), else None; the sample
+    count does not matter here."""
     if cfg.teacher.name != "cached":
         return None
     from kdexp.teacher import format as fmt
 
-    tc, loss = cfg.teacher, cfg.loss
-    common = dict(samples=0, seq_length=int(cfg.trainer.seq_length), temperatures=tuple(tc.temperatures),
-                  values=tc.dtype, index_bytes=fmt.index_bytes(vocab), shard_samples=tc.shard_samples)
-    if loss.samples is None:
-        return fmt.Layout(k_max=tc.k_max, **common)
-    return fmt.Layout(k_max=0, record="sampled", draws=int(loss.samples),
-                      proposal_temperature=float(loss.proposal_temperature), draw_seed=0, **common)
+    return fmt.Layout.from_config(cfg, vocab, samples=0)
 
 
 def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU) -> Plan:

@@ -146,6 +146,20 @@ class Layout:
         return d
 
     @staticmethod
+    def from_config(cfg, vocab: int, samples: int) -> "Layout":
+        """The layout a run's config asks for (`samples` global samples of a `vocab`-entry vocabulary): a "sampled"
+        record when loss.samples is set (teacher.k_max is then irrelevant), else "topk". kdexp.teacher.writer
+        builds caches by it and kdexp.plan sizes their records by it."""
+        tc, loss = cfg.teacher, cfg.loss
+        common = dict(samples=samples, seq_length=int(cfg.trainer.seq_length),
+                      temperatures=tuple(float(x) for x in tc.temperatures), values=tc.dtype,
+                      index_bytes=index_bytes(vocab), shard_samples=tc.shard_samples)
+        if loss.samples is None:
+            return Layout(k_max=tc.k_max, **common)
+        return Layout(k_max=0, record="sampled", draws=int(loss.samples),
+                      proposal_temperature=float(loss.proposal_temperature), draw_seed=int(cfg.trainer.seed), **common)
+
+    @staticmethod
     def from_json(d: dict) -> "Layout":
         return Layout(**{**d, "temperatures": tuple(d["temperatures"])})
 

@@ -66,18 +66,10 @@ def teacher_identity(cfg, data) -> dict:
 
 
 def layout_for(cfg, data) -> fmt.Layout:
-    """The run's cache layout: a "sampled" record when loss.samples is set (teacher.k_max is then irrelevant), else
-    "topk"."""
-    st = distributed.state()
-    t, tc, loss = cfg.trainer, cfg.teacher, cfg.loss
-    global_batch = t.global_batch_size or t.micro_batch_size * st.dp_size  # samples per step, as the trainer reads
-    common = dict(samples=t.max_steps * global_batch, seq_length=t.seq_length,
-                  temperatures=tuple(float(x) for x in tc.temperatures), values=tc.dtype,
-                  index_bytes=fmt.index_bytes(data.vocab_size), shard_samples=tc.shard_samples)
-    if loss.samples is None:
-        return fmt.Layout(k_max=tc.k_max, **common)
-    return fmt.Layout(k_max=0, record="sampled", draws=int(loss.samples),
-                      proposal_temperature=float(loss.proposal_temperature), draw_seed=int(t.seed), **common)
+    """The run's cache layout (fmt.Layout.from_config) over the samples the run's steps read."""
+    t = cfg.trainer
+    global_batch = t.global_batch_size or t.micro_batch_size * distributed.state().dp_size  # as the trainer reads
+    return fmt.Layout.from_config(cfg, data.vocab_size, t.max_steps * global_batch)
 
 
 def cache_key(cfg, data, layout: fmt.Layout) -> dict:
