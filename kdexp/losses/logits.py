@@ -26,8 +26,9 @@ Memory and speed: a custom autograd.Function computes everything chunk by chunk 
 float64 inputs) and saves only the inputs plus O(K) values per token; backward recomputes the student softmax per
 chunk. One exception: Top-K without a nucleus cut on float32 logits without TP computes the student's exps outside S
 straight into the rows of the gradient tensor (allocated in forward instead of backward: no extra memory), which the
-backward then scales in place instead of recomputing them. Per chunk and distribution the full-vocabulary work is one copy into a scratch buffer, one fused (in-place on
-CPU) log_softmax / softmax and two cheap max reductions; the teacher adds one unsorted topk. The
+backward then scales in place instead of recomputing them. Per chunk and distribution the full-vocabulary work is one
+copy into a scratch buffer, one fused (in-place on CPU) log_softmax / softmax and two cheap max reductions; the
+teacher adds one unsorted topk. The
 gradient w.r.t. logits/T of the full-normalization loss is, with g = dL/d(kept student log-probs), h = dL/d(student
 log-residual), G = sum g + h, q the student softmax, r the student residual:
   i in S:      g_i - q_i G
@@ -374,7 +375,7 @@ class _LogitsKD(torch.autograd.Function):
                 part = shard.all_reduce_(dense_forward_(a, b, cfg.divergence, cfg.beta))
                 loss[r], aux[r] = part[:, 0], part[:, 1]
             ctx.save_for_backward(student, teacher)
-            ctx.label = None
+            ctx.label, ctx.held = None, None
             ctx.shift, ctx.aux, ctx.raw_loss, ctx.centres = shift, aux, loss.clone(), centres
             if st is not None:
                 st["teacher_kept_mass"].fill_(1.0)
@@ -432,7 +433,9 @@ class _LogitsKD(torch.autograd.Function):
         student = ctx.saved_tensors[0]
         n, vl = student.shape
         dev = student.device
-        grad = torch.empty(n, vl, dtype=student.dtype, device=dev)
+        held, ctx.held = ctx.held, None  # the forward's exps are scaled in place once: a second backward
+        # (retain_graph) recomputes them
+        grad = held if held is not None else torch.empty(n, vl, dtype=student.dtype, device=dev)
         scale = grad_out.reshape(-1).to(cd) * (cfg.loss_scale / cfg.temperature)
         if ctx.dense:
             teacher = ctx.saved_tensors[1]
@@ -456,9 +459,6 @@ class _LogitsKD(torch.autograd.Function):
         # The fused LM loss adds q - onehot(label) (T = 1): outside S q = exp(s - centre - lse_notS) r_s, the KD
         # term's own factor times the student residual; on S the kept probabilities q saved by the forward.
         gl = None if label is None else torch.where(label.valid, grad_lm.reshape(-1).to(cd), 0.0)
-        held, ctx.held = ctx.held, None  # the forward's exps are scaled in place once: a second backward
-        if held is not None:             # (retain_graph) recomputes them
-            grad = held
         for r, gidx, keep, cand_grad, coef, centre, q, exp_sum in ctx.chunks:
             c = r.stop - r.start
             lidx, owned = shard.local_index(gidx, keep)
@@ -471,21 +471,21 @@ class _LogitsKD(torch.autograd.Function):
             sc = scale[r, None]
             if coef is None:  # renormalize: the loss depends on the kept logits only
                 x.zero_()
-            elif held is not None and exp_sum is not None:
-                # the rows hold e = exp((s - m) / T) outside S, and exp((s - centre) / T - lse_notS) = e / sum(e)
-                cf, _, r_s = coef
-                cf = cf * sc[:, 0] if gl is None else torch.addcmul(gl[r] * r_s, cf, sc[:, 0])
-                x.mul_(cf.div_(exp_sum)[:, None])
             else:  # exp((s - centre) / T - lse_notS) * (h - G r_s) everywhere; S is overwritten just below
-                dst, raw, (cf, lns, r_s) = x[:, :vl], student[r], coef
-                if raw.dtype == cd:
-                    torch.sub(raw, centre[:, None], out=dst)
-                else:
-                    dst.copy_(raw).sub_(centre[:, None])
-                if cfg.temperature != 1.0:
-                    dst.div_(cfg.temperature)
+                cf, lns, r_s = coef
                 cf = cf * sc[:, 0] if gl is None else torch.addcmul(gl[r] * r_s, cf, sc[:, 0])
-                dst.sub_(lns[:, None]).exp_().mul_(cf[:, None])
+                if held is not None and exp_sum is not None:
+                    # the rows hold e = exp((s - m) / T) outside S, and exp((s - centre) / T - lse_notS) = e / sum(e)
+                    x.mul_(cf.div_(exp_sum)[:, None])
+                else:
+                    dst, raw = x[:, :vl], student[r]
+                    if raw.dtype == cd:
+                        torch.sub(raw, centre[:, None], out=dst)
+                    else:
+                        dst.copy_(raw).sub_(centre[:, None])
+                    if cfg.temperature != 1.0:
+                        dst.div_(cfg.temperature)
+                    dst.sub_(lns[:, None]).exp_().mul_(cf[:, None])
             if isinstance(cand_grad, _SplitGrad):  # e (w sc + gl / total) - p sc: two passes over S
                 f = cand_grad.w * sc[:, 0]
                 if gl is not None:

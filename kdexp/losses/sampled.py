@@ -234,16 +234,13 @@ class _SparseCE(torch.autograd.Function):
         raw = temperature == 1.0 and z2.dtype == cdtype  # z itself is z / T: log-softmax it straight into buf
         for lo in range(0, n, rows):
             hi = min(n, lo + rows)
-            if raw:
-                x = z2[lo:hi]
-                picked[lo:hi] = x.gather(1, gather_idx[lo:hi])
-                # x is read, not consumed; the log-softmax goes to a contiguous [c, V] view of the buffer (given the
-                # buffer's [c, :V] slice, with its V+1 row stride, the out= kernel restrides it to contiguous)
-                lse_g, lse_l, logp = _lse_(x, shard, into=buf.view(-1)[: (hi - lo) * vl].view(hi - lo, vl))
-            else:
-                x, _ = _load_(buf[: hi - lo], z2[lo:hi], temperature, None)  # z / T; the scratch column is -inf
-                picked[lo:hi] = x.gather(1, gather_idx[lo:hi])
-                lse_g, lse_l, logp = _lse_(x, shard)  # consumes x: its local log-softmax
+            # z / T: the logits themselves (read, not consumed: the log-softmax goes to a contiguous [c, V] view of
+            # the buffer, since given the buffer's [c, :V] slice, with its V+1 row stride, the out= kernel restrides
+            # it to contiguous), else a copy in the buffer (consumed in place; its scratch column is -inf)
+            x = z2[lo:hi] if raw else _load_(buf[: hi - lo], z2[lo:hi], temperature, None)[0]
+            picked[lo:hi] = x.gather(1, gather_idx[lo:hi])
+            into = buf.view(-1)[: (hi - lo) * vl].view(hi - lo, vl) if raw else None
+            lse_g, lse_l, logp = _lse_(x, shard, into=into)
             lse[lo:hi] = lse_g
             if label is not None:  # -log q(label) (T = 1), from the fused log-softmax as megatron's; owner only
                 lp = logp.gather(1, label.local[lo:hi, None])[:, 0]

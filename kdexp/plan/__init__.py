@@ -181,12 +181,13 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     top_k, top_p = cfg.loss.top_k, cfg.loss.top_p
     kd_saved = sizing.kd_saved_per_token(top_k, top_p, TOP_P_INITIAL_K, fused_lm=fused)
     layout = _cache_layout(cfg, student.vocab_size)  # teacher=cached: no teacher forward in the train step
+    logits_dtype = torch.float32 if e == 4 else torch.bfloat16
     logits = sizing.logits_bytes(tokens, vocab, e, needs_lm=needs_lm, kd_saved=kd_saved,
                                  chunk_rows=_chunk_rows(tokens, vocab),
                                  kept=0 if top_k is None and top_p is None else (top_k or TOP_P_INITIAL_K),
                                  cut=top_p is not None,
                                  cache_record=None if layout is None else layout.decoded_bytes_per_token(),
-                                 held=top_k is not None and holds_gradient(top_p, tp, torch.float32 if e == 4 else None))
+                                 held=top_k is not None and holds_gradient(top_p, tp, logits_dtype))
     shape = f"[{tokens}, {vocab}]"
     notes = {"teacher logits": f"{shape} {dt}", "student logits": f"{shape} {dt}",
              "teacher cache record": None if layout is None else
@@ -209,7 +210,8 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     p.reserve = RESERVE_GIB * GiB + FRAGMENTATION * p.peak
 
     fs = sizing.flops_per_token(student, seq, backward=True)
-    ft = 0.0 if layout is not None else sizing.flops_per_token(teacher, seq, backward=False)  # cached: a one-off build
+    # cached: the teacher's forward is a one-off build, not part of the step
+    ft = 0.0 if layout is not None else sizing.flops_per_token(teacher, seq, backward=False)
     p.flops = {"student": fs, "teacher": ft, "total": fs + ft,
                "recompute": sizing.recompute_flops_per_token(student, seq, recompute),
                "student_6n": 6 * sum(sizing.matmul_params(student)), "teacher_2n": 2 * sum(sizing.matmul_params(teacher))}
@@ -244,7 +246,8 @@ def format_table(p: Plan) -> str:
     lines += [
         f"{'FLOPs per token':<{w}} {f['total'] / 1e9:>9,.2f} G  student fwd+bwd {f['student'] / 1e9:,.2f} G "
         f"(6N {f['student_6n'] / 1e9:,.2f} G + attention), teacher fwd {f['teacher'] / 1e9:,.2f} G "
-        f"(2N {f['teacher_2n'] / 1e9:,.2f} G + attention)" + ("; 0 in the step: teacher=cached" if not f['teacher'] else "")
+        f"(2N {f['teacher_2n'] / 1e9:,.2f} G + attention)"
+        + ("; 0 in the step: teacher=cached" if not f["teacher"] else "")
         + (f"; recompute adds {f['recompute'] / 1e9:,.2f} G (not model FLOPs)" if f["recompute"] else ""),
         f"{'tokens/s at MFU':<{w}} {tps:>9,.0f}  per GPU; {tps * p.gpus:,.0f} on {p.gpus} GPU(s) "
         f"(MFU {p.mfu:.0%} of {p.peak_tflops:g} TFLOP/s); step of {p.global_batch * p.seq:,} tokens "

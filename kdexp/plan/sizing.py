@@ -149,7 +149,8 @@ def logits_bytes(tokens: int, local_vocab: int, act_bytes: int, *, needs_lm: boo
         "LM loss fp32 softmax": v * 4 if needs_lm else 0.0,
         "KD loss saved values": tokens * kd_saved,
         "logit gradients": v * act_bytes * (2 if needs_lm else 1),
-        "KD loss chunk buffer": (chunk_rows * ((0 if held else local_vocab + 1) + k_arrays * (kept + 1)) * 4 if kept else
+        "KD loss chunk buffer": (chunk_rows * ((0 if held else local_vocab + 1) + k_arrays * (kept + 1)) * 4
+                                 if kept else
                                  2 * chunk_rows * local_vocab * 4),  # dense: a teacher and a student chunk
     }
 
