@@ -162,6 +162,20 @@ def test_launch_env_sources(monkeypatch, lone_process):
     assert _first_slurm_host("node1") == "node1" and _first_slurm_host("a[1,3-4]") == "a1"
 
 
+def test_a_one_process_job_does_not_need_its_derived_port(monkeypatch, lone_process):
+    """A one-task submitit or SLURM job gets a port derived from its job id; a sweep point under the local launcher
+    once failed with EADDRINUSE on it. A single process has nothing to agree on: it binds a port of the OS's choice."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        monkeypatch.setattr(kd, "_launch_env", lambda: (0, 1, 0, "127.0.0.1", port, "submitit"))
+        st = kd.initialize(seed=1)
+        assert (st.rank, st.world_size) == (0, 1) and torch.distributed.is_initialized()
+
+
 def _fails_on_rank1(rank, world_size):
     if rank == 1:
         raise ValueError("boom from rank 1")

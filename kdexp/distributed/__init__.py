@@ -88,8 +88,9 @@ def _init_process_group(backend: str) -> tuple[int, int, int, str]:
     if source == "torchrun" and (port is not None or world > 1):
         # env:// lets torchrun's agent store (already listening on MASTER_PORT) serve the rendezvous.
         dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world, timeout=timeout)
-    elif port is None:
-        # Single process: let the OS pick the port while the store binds it (no find-then-bind race).
+    elif port is None or world == 1:
+        # Single process (also a one-task submitit or SLURM job, whose port is derived from the job id and may be
+        # taken): nothing to agree on, so let the OS pick the port while the store binds it (no find-then-bind race).
         store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True, timeout=timeout)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
     else:
