@@ -6,10 +6,18 @@ package, as the house plan lays it out. The wheel ships them inside the package 
 checkout's root joins this package's search path: ``kdexp.conf`` is then ``<root>/conf`` of the same checkout (never
 the conf of another install), and editable, source and installed runs import the same two subpackages.
 """
+import os as _os
 from pathlib import Path as _Path
 
 _root = _Path(__file__).resolve().parent.parent
 if not (_Path(__file__).parent / "conf").is_dir() and (_root / "conf" / "__init__.py").is_file() \
         and (_root / "launchers" / "__init__.py").is_file():
     __path__.append(str(_root))  # noqa: F821  (the package's own __path__)
-del _Path, _root
+del _root
+
+
+def cache_dir() -> _Path:
+    """The cache root of every built artefact (datasets, tokenizers, teacher caches, the native loss kernel):
+    ``$KDEXP_CACHE`` if set, else ``~/.cache/kdexp``."""
+    root = _os.environ.get("KDEXP_CACHE") or _os.path.join("~", ".cache", "kdexp")
+    return _Path(root).expanduser().resolve()

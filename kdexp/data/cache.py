@@ -32,6 +32,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Optional
 
+from kdexp import cache_dir
 from kdexp.track import records
 
 __all__ = [
@@ -53,12 +54,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MANIFEST = "kdexp_manifest.json"
-
-
-def cache_dir() -> Path:
-    """The cache root: ``$KDEXP_CACHE`` if set, else ``~/.cache/kdexp``."""
-    root = os.environ.get("KDEXP_CACHE") or os.path.join("~", ".cache", "kdexp")
-    return Path(root).expanduser().resolve()
 
 
 def cache_key(key_dict: Mapping[str, Any]) -> str:
