@@ -137,14 +137,16 @@ def cached_kd_loss(
         kept_vals, tail = vals[:, :top_k], vals[:, top_k:]
         z = lz[r].to(cd)
         a = kept_vals - z[:, None]
-        outside = [lr[r].to(cd)[:, None], tail]  # log-sum-exps of what is not kept: beyond K_max, entries k..K_max
+        # log-sum-exps of what is not kept: beyond K_max, entries k..K_max (none when top_k = K_max)
+        outside = [lr[r].to(cd)[:, None]] + ([tail] if tail.shape[1] else [])
         keep = None  # every candidate kept (no nucleus cut)
         if cfg.top_p is not None:  # the online cut: float64 cumsum over the sorted candidates, min-K floor
             p = a.double().exp()
             cum = p.cumsum(1)
             keep = (cum - p < cfg.top_p) | (torch.arange(top_k, device=a.device) < cfg.min_k)
             outside.append(torch.where(keep, torch.full_like(kept_vals, -math.inf), kept_vals))
-        lr_t = torch.logsumexp(torch.cat(outside, 1), 1) - z  # one column (top_k = K_max, no cut): that column
+        # one column (top_k = K_max, no cut): the log-sum-exp is that column (no cat, no reduction)
+        lr_t = (outside[0][:, 0] if len(outside) == 1 else torch.logsumexp(torch.cat(outside, 1), 1)) - z
         return ix[r, :top_k], keep, a, lr_t
 
     stats: dict | None = {} if return_stats else None
