@@ -26,7 +26,9 @@ Memory and speed: a custom autograd.Function computes everything chunk by chunk 
 float64 inputs) and saves only the inputs plus O(K) values per token; backward recomputes the student softmax per
 chunk. One exception: Top-K without a nucleus cut on float32 logits without TP computes the student's exps outside S
 straight into the rows of the gradient tensor (allocated in forward instead of backward: no extra memory), which the
-backward then scales in place instead of recomputing them. Per chunk and distribution the full-vocabulary work is one
+backward then scales in place instead of recomputing them. On CPU that path's student half (and its backward) runs in
+a compiled kernel (kdexp.losses._native: the same values in one pass per row; the eager code below is its
+reference and its fallback). Per chunk and distribution the full-vocabulary work is one
 copy into a scratch buffer, one fused (in-place on CPU) log_softmax / softmax and two cheap max reductions; the
 teacher adds one unsorted topk. The
 gradient w.r.t. logits/T of the full-normalization loss is, with g = dL/d(kept student log-probs), h = dL/d(student
@@ -46,6 +48,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from kdexp.losses import _native
 from kdexp.losses._shard import Shard
 from kdexp.rules import is_int
 from kdexp.losses.divergence import _rowdot_, bucket_divergence, dense_backward_, dense_forward_
@@ -401,7 +404,8 @@ class _LogitsKD(torch.autograd.Function):
                 b = buf[: r.stop - r.start] if held is None else held[r]
                 side = (_teacher_side(teacher[r], b, cfg, shard, cd, st is not None) if teacher_side is None
                         else teacher_side(r, cd))
-                out = _student_side(student[r], b, cfg, shard, cd, st is not None, *side, lm=labels is not None)
+                out = _student_side(student[r], b, cfg, shard, cd, st is not None, *side, lm=labels is not None,
+                                    held=held is not None)
                 loss[r] = out["loss"]
                 if label is not None:  # -log q(label) = lse - (x_label - centre): both centred, as megatron's
                     lm[r] = torch.where(label.valid[r], out["lse"] - (label_logit[r] - out["centre"]), 0.0)
@@ -469,6 +473,7 @@ class _LogitsKD(torch.autograd.Function):
                 buf = torch.empty(rows, vl + 1, dtype=cd, device=dev)
             x = grad[r] if direct else buf[:c]
             sc = scale[r, None]
+            native = False  # the CPU kernel scales the held rows and writes S (forward KL, every candidate kept)
             if coef is None:  # renormalize: the loss depends on the kept logits only
                 x.zero_()
             else:  # exp((s - centre) / T - lse_notS) * (h - G r_s) everywhere; S is overwritten just below
@@ -476,7 +481,10 @@ class _LogitsKD(torch.autograd.Function):
                 cf = cf * sc[:, 0] if gl is None else torch.addcmul(gl[r] * r_s, cf, sc[:, 0])
                 if held is not None and exp_sum is not None:
                     # the rows hold e = exp((s - m) / T) outside S, and exp((s - centre) / T - lse_notS) = e / sum(e)
-                    x.mul_(cf.div_(exp_sum)[:, None])
+                    f_out = cf.div_(exp_sum)
+                    native = isinstance(cand_grad, _SplitGrad) and _native.serves(x, x)
+                    if not native:
+                        x.mul_(f_out[:, None])
                 else:
                     dst, raw = x[:, :vl], student[r]
                     if raw.dtype == cd:
@@ -490,10 +498,14 @@ class _LogitsKD(torch.autograd.Function):
                 f = cand_grad.w * sc[:, 0]
                 if gl is not None:
                     f.addcmul_(gl[r], cand_grad.inv_total)
-                g_s = torch.mul(cand_grad.p, sc.neg()).addcmul_(cand_grad.e, f[:, None])
+                if native:
+                    _native.topk_backward_(x, lidx, cand_grad.e, cand_grad.p, f_out, f, sc)
+                else:
+                    g_s = torch.mul(cand_grad.p, sc.neg()).addcmul_(cand_grad.e, f[:, None])
             else:
                 g_s = cand_grad * sc if gl is None else torch.addcmul(cand_grad * sc, q, gl[r, None])
-            x.scatter_(1, lidx, g_s)  # entries not owned / not kept land in the scratch column
+            if not native:
+                x.scatter_(1, lidx, g_s)  # entries not owned / not kept land in the scratch column
             if gl is not None:  # - onehot(label), on the rank that owns it
                 x.scatter_add_(1, label.local[r, None], torch.where(label.owned[r], -gl[r], 0.0)[:, None])
             if not direct:
@@ -582,24 +594,36 @@ def _teacher_side(teacher, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool):
     return gidx, keep, a, (lr_t if need_t else None)
 
 
-def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, gidx, keep, a, lr_t, lm=False):
+def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, gidx, keep, a, lr_t, lm=False,
+                  held=False):
     """The student half of one Top-K / Top-P chunk, given the teacher half: the loss, stats and the O(K) values the
-    backward needs (`lm`: also the student's full log-sum-exp and kept probabilities, for the fused LM loss)."""
+    backward needs (`lm`: also the student's full log-sum-exp and kept probabilities, for the fused LM loss). `held`:
+    `buf` is the chunk's rows of the gradient (holds_gradient), which take the exps outside S."""
     c, vl = student.shape
     neg_inf = torch.tensor(-math.inf, dtype=cd, device=student.device)
     need_s = not cfg.renormalize or want_stats or lm
+    fkl = cfg.divergence == "forward_kl" and keep is None and not cfg.renormalize
     # Student: kept logits, centred on the row max (global, all ranks), log-sum-exp outside S. Renormalised without
     # stats only differences within S matter, so the max over S centres them without a pass over the vocabulary.
     lidx, owned = shard.local_index(gidx, keep)
-    if shard.world == 1:  # every candidate is on this rank; the ones not kept are masked to -inf just below
+    native = need_s and _native.serves(student, buf if held else None)
+    if native:
+        # The same values from the CPU kernel, one pass per row (kdexp.losses._native); forward KL's p and
+        # sum p (a - b) too. Held path only: no TP, no nucleus cut, float32.
+        e, b, p, row = _native.topk_forward(student, lidx, cfg.temperature, buf,
+                                            a.contiguous() if fkl else None)
+        m_s, lns, exp_sum, lse_s, total, kl = row.unbind(1)
+        inv_total = total.reciprocal()
+        lr_s = lns - lse_s
+    elif shard.world == 1:  # every candidate is on this rank; the ones not kept are masked to -inf just below
         sv = student.gather(1, gidx).to(cd)
     else:  # kept logits gathered from the owning ranks (zeros elsewhere, then SUM: exact)
         sv = shard.all_reduce_(torch.where(owned, student.gather(1, lidx.clamp_max(vl - 1)).to(cd),
                                            torch.zeros((), dtype=cd, device=student.device)))
-    if keep is not None:
+    if keep is not None:  # (never on the kernel's path: the held gradient has no nucleus cut)
         sv = torch.where(keep, sv, neg_inf)
     a_kept = a if keep is None else torch.where(keep, a, neg_inf)
-    if need_s:
+    if need_s and not native:
         # The student's log-sum-exp outside S, from a raw copy with S masked to -inf. The row max (over all
         # ranks) that centres everything is the larger of the max outside S (this chunk's) and the max over S
         # (the gathered logits): no pass of its own.
@@ -619,11 +643,10 @@ def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, g
         b = sv.sub_(lse_s[:, None])
         inv_total = total.reciprocal()  # q = exp(b) = e / total; its entries not kept land in the scratch column
         lr_s = lns - lse_s
-    else:  # renormalised without stats: only differences within S matter, the max over S centres them
+    elif not need_s:  # renormalised without stats: only differences within S matter, the max over S centres them
         m_s = sv.amax(1)
         b = _scaled(sv - m_s[:, None], cfg.temperature)
 
-    fkl = cfg.divergence == "forward_kl" and keep is None and not cfg.renormalize
     q = e.mul_(inv_total[:, None]) if need_s and not fkl else None  # forward KL keeps e and 1 / total (below)
     if cfg.renormalize:
         a_r = a_kept - torch.logsumexp(a_kept, 1, keepdim=True)
@@ -636,7 +659,9 @@ def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, g
     else:
         # Forward KL with every candidate kept: g = -p on S, whose sum is minus the teacher's kept mass, 1 - r_t
         # (from its residual's log: no pass over the buckets, and no -p); the loss is sum p (a - b).
-        if fkl:
+        if fkl and native:
+            loss = kl
+        elif fkl:
             p = a.exp()
             loss = _rowdot_(a.sub_(b), p)  # a is the teacher side's own copy, not read after this
         else:
