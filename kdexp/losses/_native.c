@@ -40,7 +40,7 @@ static inline float kd_exp(float x) {
      s[r, :V]    the raw student logits          idx[r, :K] S, global = local column ids (no TP), int64
      held[r, :V] <- exp((s - f) / T) outside S, 0 on S
      e[r, :K]    <- exp(sv), sv = (s[idx] - centre) / T           (centre: the row max, 0 if not finite)
-     b[r, :K]    <- sv - lse                                      (the student's kept log-probs)
+     b[r, :K]    <- sv - lse       (the student's kept log-probs; b NULL: not stored, forward KL needs only the sum)
      row[r, 0..4] <- centre, lns (log-sum-exp outside S, centred), sum of the held row, lse, total
    where total = sum(e) + exp(lns) (as _student_side: e.sum(1).add_(lns.exp())). The frame f is the centre: one exp
    pass over the row gives the held exps and, gathered at S, e. Where the mass outside S is below 1e-20 of the row
@@ -58,11 +58,17 @@ long kd_topk_forward(long n, long V, long K, const float *s, long ss, const int6
 #pragma omp parallel num_threads(nthreads)
     {
         float *mask = NULL;  /* the far-tail rows' scratch, allocated on first need */
+        float *kb = b == NULL ? (float *)malloc(sizeof(float) * (size_t)K) : NULL;  /* b when not wanted */
 #pragma omp for schedule(static)
         for (long r = 0; r < n; r++) {
             const float *x = s + r * ss;
             const int64_t *ix = idx + r * si;
-            float *h = held + r * hs, *er = e + r * K, *br = b + r * K;
+            float *h = held + r * hs, *er = e + r * K, *br = b != NULL ? b + r * K : kb;
+            if (br == NULL) {
+#pragma omp critical
+                bad = -1;
+                continue;
+            }
             float m = -INFINITY;
 #pragma omp simd reduction(max : m)
             for (long i = 0; i < V; i++) m = x[i] > m ? x[i] : m;
@@ -146,6 +152,7 @@ long kd_topk_forward(long n, long V, long K, const float *s, long ss, const int6
             }
         }
         free(mask);
+        free(kb);
     }
     return bad;
 }

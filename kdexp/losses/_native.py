@@ -32,6 +32,9 @@ log = logging.getLogger("kdexp")
 SOURCE = Path(__file__).with_name("_native.c")
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared"]
 _state: dict = {}
+# The K-wide values (teacher log-probs, e, p, the record's slice) of one chunk on the kernel's path: ~4 float32
+# arrays of [rows, K + 1]; the kernel works a row at a time, so only these bound the chunk (see logits._LogitsKD).
+CHUNK_BYTES = 64 << 20
 
 
 def _cpu_flags() -> str:
@@ -117,22 +120,23 @@ def _rows(t: torch.Tensor, dtype: torch.dtype, cols: int) -> int:
 def topk_forward(student: torch.Tensor, idx: torch.Tensor, temperature: float, held: torch.Tensor,
                  a: torch.Tensor | None = None):
     """The student half of one Top-K chunk (see _native.c): fills `held` (exps outside S, 0 on S) and returns
-    (e, b, p, row): e = exp(sv) and b = the kept log-probs [c, K]; p = exp(a) [c, K] or None; row [c, 6] float32 =
-    centre, lns, sum of the held row, lse, total, sum p (a - b) (0 without a)."""
+    (e, b, p, row): e = exp(sv) [c, K]; b = the kept log-probs [c, K], or None with `a` (forward KL, which needs only
+    sum p (a - b)); p = exp(a) [c, K] or None; row [c, 6] float32 = centre, lns, sum of the held row, lse, total,
+    sum p (a - b) (0 without a)."""
     n, v = student.shape
     k = idx.shape[1]
     ss, si, hs = _rows(student, torch.float32, v), _rows(idx, torch.int64, k), _rows(held, torch.float32, v)
     sa = 0 if a is None else _rows(a, torch.float32, k)
     e = torch.empty(n, k, dtype=torch.float32)
-    b = torch.empty_like(e)
+    b = torch.empty_like(e) if a is None else None
     p = None if a is None else torch.empty_like(e)
     row = torch.empty(n, 6, dtype=torch.float32)
     bad = kernel().kd_topk_forward(n, v, k, student.data_ptr(), ss, idx.data_ptr(), si, 1.0 / temperature,
-                                   held.data_ptr(), hs, e.data_ptr(), b.data_ptr(),
+                                   held.data_ptr(), hs, e.data_ptr(), None if b is None else b.data_ptr(),
                                    None if a is None else a.data_ptr(), sa, None if p is None else p.data_ptr(),
                                    row.data_ptr(), torch.get_num_threads())
     if bad < 0:
-        raise MemoryError("native kernel: out of memory for a [V] row buffer")
+        raise MemoryError("native kernel: out of memory for a row buffer")
     if bad > 0:
         raise IndexError(f"kept-set index out of range [0, {v}) in row {bad - 1} of the chunk: "
                          f"{idx[bad - 1].min().item()}..{idx[bad - 1].max().item()}")

@@ -394,6 +394,11 @@ class _LogitsKD(torch.autograd.Function):
             # the chunk buffer is not needed at all.
             held = (torch.empty(n, vl, dtype=cd, device=dev)
                     if ctx.needs_input_grad[0] and holds_gradient(cfg.top_p, shard.world, student.dtype) else None)
+            if held is not None and teacher_side is not None and cfg.chunk_tokens is None and \
+                    _native.serves(student, held):
+                # From a cache on the CPU kernel: no [rows, V] eager pass is left to keep in cache, so one chunk of
+                # up to 64 MiB of K-wide values runs the per-row glue once instead of once per chunk
+                rows = ctx.rows = min(n, max(rows, _native.CHUNK_BYTES // (16 * (cfg.top_k + 1))))
             buf = torch.empty(rows, vl + 1, dtype=cd, device=dev) if held is None else None
             chunks = []
             label = None if labels is None else _Labels.make(labels, vl, shard, dev)
@@ -690,7 +695,7 @@ def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, g
     if want_stats:
         # kept mass = 1 - residual mass, from the residuals' accurate logs (no pass over the buckets)
         out.update(teacher_kept_mass=-torch.expm1(lr_t), student_kept_mass=-torch.expm1(lr_s),
-                   nucleus_size=(torch.full_like(lr_s, b.shape[1]) if keep is None else keep.sum(1).to(cd)),
+                   nucleus_size=(torch.full_like(lr_s, a.shape[1]) if keep is None else keep.sum(1).to(cd)),
                    teacher_residual_mass=lr_t.exp(),
                    student_residual_mass=lr_s.exp())
     return out
