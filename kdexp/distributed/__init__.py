@@ -3,7 +3,8 @@
 ``initialize()`` is the one entry point: it finds out who this process is (torchrun, submitit, plain SLURM srun,
 or a lone local process), creates the torch.distributed default group (nccl on CUDA, gloo on CPU), builds
 megatron's tensor/pipeline/data parallel groups and seeds megatron's model-parallel RNG. On a machine without CUDA
-it first applies kdexp.distributed.cpu, the only place that answers megatron's CUDA assumptions.
+it first applies kdexp.distributed.cpu, the only place that answers megatron's CUDA assumptions, and the host
+allocator policy of kdexp.distributed.hostmem.
 
 Typical use (trainer)::
 
@@ -38,6 +39,7 @@ class _OnFirstUse:
 torch = _OnFirstUse("torch")
 dist = _OnFirstUse("torch.distributed")
 cpu = _OnFirstUse("kdexp.distributed.cpu")
+hostmem = _OnFirstUse("kdexp.distributed.hostmem")
 
 __all__ = ["DistState", "initialize", "state", "tp_group", "dp_group", "is_rank0", "destroy", "is_initialized", "reseed",
            "barrier", "rank0_decides"]
@@ -119,6 +121,7 @@ def initialize(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int =
     use_cuda = torch.cuda.is_available()
     if not use_cuda:
         cpu.apply()
+        hostmem.keep_freed_memory()  # the step's large tensors reuse freed heap blocks, not fresh pages
     backend = "nccl" if use_cuda else "gloo"
     rank, world, local_rank, source = _init_process_group(backend)
     if world % (tp * pp) != 0:
