@@ -211,3 +211,43 @@ def test_the_build_is_cached_by_source(monkeypatch, tmp_path):
     assert first.parent == tmp_path / "native" and first.is_file()
     stamp = first.stat().st_mtime_ns
     assert _native._build("cc") == first and first.stat().st_mtime_ns == stamp  # found, not rebuilt
+
+
+@pytest.mark.parametrize("temperature,lm", [(1.0, True), (1.0, False), (2.0, False), (0.5, False)])
+def test_sampled_kernel_equals_eager_and_float64(temperature, lm):
+    from kdexp.losses import sampled_kd_loss
+    student, _ = _logits(n=30, v=120, seed=7, scale=4.0)
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, 120, (30, 12), generator=g)
+    weights = torch.rand(30, 12, generator=g)
+    target = -torch.rand(30, 12, generator=g) * 5
+    labels = torch.randint(0, 120, (30,), generator=g) if lm else None
+    if lm:
+        labels[5] = -100
+
+    def run(x):
+        s = x.clone().requires_grad_(True)
+        out = sampled_kd_loss(s, ids, weights, target, temperature=temperature, labels=labels)
+        kd, lm_ = out if lm else (out, None)
+        (kd.double().sum() + (0.0 if lm_ is None else 0.7 * lm_.double().sum())).backward()
+        return kd.detach(), lm_, s.grad
+
+    got = run(student)
+    with kernel_off():
+        eager = run(student)
+    ref = run(student.double())
+    for a, b, c in zip(got, eager, ref):
+        if a is None:
+            continue
+        torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a.double(), c.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_sampled_kernel_runs_and_refuses_a_bad_id():
+    from kdexp.losses import sampled_kd_loss
+    assert _native.serves(torch.zeros(2, 3), sampled=True)
+    student, _ = _logits(n=4, v=20)
+    ids = torch.randint(0, 20, (4, 3))
+    ids[2, 1] = 20
+    with pytest.raises(IndexError, match="row 2"):
+        sampled_kd_loss(student, ids, torch.ones(4, 3))

@@ -173,3 +173,54 @@ void kd_topk_backward(long n, long V, long K, float *g, long gs, const int64_t *
         for (long j = 0; j < K; j++) x[ix[j]] = er[j] * fs - pr[j] * c;
     }
 }
+
+/* Sampled KD (sampled.py's _SparseCE), per row r: the student's log-sum-exp and its logits at the drawn ids.
+     lse[r] <- log sum_i exp(z[r, i] inv_t), centred on the row max (m inv_t + log sum exp((z - m) inv_t))
+     picked[r, j] <- z[r, ids[r, j]] inv_t
+   A reduction: nothing [V]-sized is written (the eager code writes the log-softmax it then reads one column of).
+   Returns 0 or 1 + the first row holding an id outside [0, V). */
+long kd_sampled_forward(long n, long V, long S, const float *z, long zs, const int64_t *ids, long is, float inv_t,
+                        float *lse, float *picked, int nthreads) {
+    long bad = 0;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (long r = 0; r < n; r++) {
+        const float *x = z + r * zs;
+        const int64_t *ix = ids + r * is;
+        float m = -INFINITY;
+#pragma omp simd reduction(max : m)
+        for (long i = 0; i < V; i++) m = x[i] > m ? x[i] : m;
+        float centre = isfinite(m) ? m : 0.0f;
+        float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+        for (long i = 0; i < V; i++) acc += kd_exp((x[i] - centre) * inv_t);
+        lse[r] = logf(acc) + centre * inv_t;
+        int ok = 1;
+        for (long j = 0; j < S; j++) {
+            int64_t c = ix[j];
+            if (c < 0 || c >= V) { ok = 0; c = 0; }
+            picked[r * S + j] = x[c] * inv_t;
+        }
+        if (!ok) {
+#pragma omp critical
+            if (bad == 0 || r + 1 < bad) bad = r + 1;
+        }
+    }
+    return bad;
+}
+
+/* Its backward, per row r, into g:  g[r, i] = exp(z[r, i] inv_t - lse[r]) coef[r], then g[r, ids[r, j]] += wn[r, j]
+   (the student softmax scaled, minus the weights: the eager code's sub / exp / mul passes and scatter_add in one). */
+void kd_sampled_backward(long n, long V, long S, const float *z, long zs, float inv_t, const float *lse,
+                         const float *coef, const int64_t *ids, long is, const float *wn, float *g, long gs,
+                         int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (long r = 0; r < n; r++) {
+        const float *x = z + r * zs;
+        float *o = g + r * gs;
+        const int64_t *ix = ids + r * is;
+        float l = lse[r], c = coef[r];
+#pragma omp simd
+        for (long i = 0; i < V; i++) o[i] = kd_exp(x[i] * inv_t - l) * c;
+        for (long j = 0; j < S; j++) o[ix[j]] += wn[r * S + j];
+    }
+}

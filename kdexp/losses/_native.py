@@ -3,9 +3,9 @@
 Why a kernel: on CPU each eager torch op of the sparse loss is a memory-bound pass over a [rows, V] chunk (copy, -inf
 scatter, max, sub, floor, exp, sum, gather; scale and scatter in backward), and on the embedded default (K = 1,024
 of V = 2,048) those passes were most of the KD step's cost over plain LM training. The kernel forms the same values
-one row at a time while the row sits in cache. It serves one case, the held-gradient path (logits.holds_gradient:
-Top-K without a nucleus cut, no TP, float32 logits, on CPU); every other case, and every case on CUDA, runs the
-eager code, which stays the reference the tests hold the kernel to.
+one row at a time while the row sits in cache. It serves two cases on CPU with float32 logits and no TP: the Top-K
+held-gradient path (logits.holds_gradient: no nucleus cut) and sampled KD (sampled._SparseCE); every other case, and
+every case on CUDA, runs the eager code, which stays the reference the tests hold the kernel to.
 
 Build: `$CC` (default `cc`) with -O3 -march=native -fopenmp, into `<kdexp cache>/native/` under a name keyed by the
 source, the flags, the compiler and this CPU's feature flags (a home shared by different machines gets one build
@@ -92,6 +92,11 @@ def _load():
                                     ptr, c_long, ptr, ptr, c_int]
     lib.kd_topk_backward.restype = None
     lib.kd_topk_backward.argtypes = [c_long, c_long, c_long, ptr, c_long, ptr, c_long, ptr, ptr, ptr, ptr, ptr, c_int]
+    lib.kd_sampled_forward.restype = c_long
+    lib.kd_sampled_forward.argtypes = [c_long, c_long, c_long, ptr, c_long, ptr, c_long, c_float, ptr, ptr, c_int]
+    lib.kd_sampled_backward.restype = None
+    lib.kd_sampled_backward.argtypes = [c_long, c_long, c_long, ptr, c_long, c_float, ptr, ptr, ptr, c_long, ptr, ptr,
+                                        c_long, c_int]
     return lib
 
 
@@ -102,9 +107,10 @@ def kernel():
     return _state["lib"]
 
 
-def serves(student: torch.Tensor, held: torch.Tensor | None) -> bool:
-    """Whether the kernel computes this chunk: the held-gradient path on CPU, float32, and a kernel at hand."""
-    return held is not None and student.device.type == "cpu" and student.dtype == torch.float32 and \
+def serves(student: torch.Tensor, held: torch.Tensor | None = None, *, sampled: bool = False) -> bool:
+    """Whether the kernel computes this loss: float32 logits on CPU, a kernel at hand, and the Top-K held-gradient
+    path (`held`: the gradient's rows) or sampled KD (`sampled`); no TP either way (the caller's condition)."""
+    return (held is not None or sampled) and student.device.type == "cpu" and student.dtype == torch.float32 and \
         kernel() is not None
 
 
@@ -154,3 +160,31 @@ def topk_backward_(grad: torch.Tensor, idx: torch.Tensor, e: torch.Tensor, p: to
     kernel().kd_topk_backward(n, v, k, grad.data_ptr(), gs, idx.data_ptr(), si, e.data_ptr(), p.data_ptr(),
                               f_out.data_ptr(), f_s.data_ptr(), sc.data_ptr(), torch.get_num_threads())
     return grad
+
+
+def sampled_forward(z: torch.Tensor, ids: torch.Tensor, temperature: float):
+    """(lse [n], picked [n, S]) of sampled KD (see _native.c): the log-sum-exp of z / T and z / T at the ids."""
+    n, v = z.shape
+    k = ids.shape[1]
+    zs, si = _rows(z, torch.float32, v), _rows(ids, torch.int64, k)
+    lse = torch.empty(n, dtype=torch.float32)
+    picked = torch.empty(n, k, dtype=torch.float32)
+    bad = kernel().kd_sampled_forward(n, v, k, z.data_ptr(), zs, ids.data_ptr(), si, 1.0 / temperature,
+                                      lse.data_ptr(), picked.data_ptr(), torch.get_num_threads())
+    if bad > 0:
+        raise IndexError(f"sampled id out of range [0, {v}) in row {bad - 1}: "
+                         f"{ids[bad - 1].min().item()}..{ids[bad - 1].max().item()}")
+    return lse, picked
+
+
+def sampled_backward(z: torch.Tensor, temperature: float, lse: torch.Tensor, coef: torch.Tensor, ids: torch.Tensor,
+                     w_neg: torch.Tensor) -> torch.Tensor:
+    """The gradient [n, V] of sampled KD: exp(z / T - lse) coef, plus w_neg [n, S] added at the ids."""
+    n, v = z.shape
+    k = ids.shape[1]
+    zs, si = _rows(z, torch.float32, v), _rows(ids, torch.int64, k)
+    lse, coef, w_neg = lse.float().contiguous(), coef.float().contiguous(), w_neg.float().contiguous()
+    g = torch.empty(n, v, dtype=torch.float32)
+    kernel().kd_sampled_backward(n, v, k, z.data_ptr(), zs, 1.0 / temperature, lse.data_ptr(), coef.data_ptr(),
+                                 ids.data_ptr(), si, w_neg.data_ptr(), g.data_ptr(), v, torch.get_num_threads())
+    return g

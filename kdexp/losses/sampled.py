@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import torch
 
+from kdexp.losses import _native
 from kdexp.losses._shard import Shard
 from kdexp.losses.logits import _Labels, _lse_, _load_, check_label_shape
 from kdexp.losses.options import KDLossOptions
@@ -225,14 +226,20 @@ class _SparseCE(torch.autograd.Function):
         w2 = weights.reshape(n, -1).to(cdtype)
         lidx, owned = shard.local_index(ids2)
         gather_idx = lidx if owned is None else lidx.clamp(max=vl - 1)
-        lse = torch.empty(n, dtype=cdtype, device=z.device)
-        picked = torch.empty_like(w2)
         rows = _rows((vl + 1) * torch.finfo(cdtype).bits // 8, n)
-        buf = torch.empty(rows, vl + 1, dtype=cdtype, device=z.device)
         label = None if labels is None else _Labels.make(labels, vl, shard, z.device)
         lm = None if labels is None else torch.zeros(n, dtype=cdtype, device=z.device)
+        native = shard.world == 1 and _native.serves(z2, sampled=True)
+        if native:  # the CPU kernel: one reduction pass per row, no [rows, V] buffer
+            lse, picked = _native.sampled_forward(z2, gather_idx, temperature)
+            if label is not None:  # -log q(label) = lse - z[label] (T = 1)
+                lm = torch.where(label.owned, lse - z2.gather(1, label.local[:, None])[:, 0], 0.0)
+        else:
+            lse = torch.empty(n, dtype=cdtype, device=z.device)
+            picked = torch.empty_like(w2)
+            buf = torch.empty(rows, vl + 1, dtype=cdtype, device=z.device)
         raw = temperature == 1.0 and z2.dtype == cdtype  # z itself is z / T: log-softmax it straight into buf
-        for lo in range(0, n, rows):
+        for lo in range(0, 0 if native else n, rows):
             hi = min(n, lo + rows)
             # z / T: the logits themselves (read, not consumed: the log-softmax goes to a contiguous [c, V] view of
             # the buffer, since given the buffer's [c, :V] slice, with its V+1 row stride, the out= kernel restrides
@@ -252,7 +259,7 @@ class _SparseCE(torch.autograd.Function):
         loss = (w2 * (target - log_s)).sum(1) * scale
         ctx.save_for_backward(z2, lidx, w2, lse)
         ctx.temperature, ctx.scale, ctx.shape, ctx.rows, ctx.label = temperature, scale, z.shape, rows, label
-        ctx.world = shard.world
+        ctx.world, ctx.native = shard.world, native
         if label is None:
             return loss.reshape(z.shape[:-1])
         return loss.reshape(z.shape[:-1]), shard.all_reduce_(lm).reshape(z.shape[:-1])
@@ -263,14 +270,19 @@ class _SparseCE(torch.autograd.Function):
         n, vl = z2.shape
         label = ctx.label
         go = grad_out.reshape(n).to(w2.dtype) * (ctx.scale / ctx.temperature)
-        grad = torch.empty_like(z2)
         coef = w2.sum(1) * go  # dL/d(z/T) = go * ((sum w) s - w)
         if label is not None:  # the fused LM loss (T = 1): + gl (s - onehot(label))
             gl = torch.where(label.valid, grad_lm.reshape(n).to(w2.dtype), 0.0)
             coef = coef + gl
             gl_owned = torch.where(label.owned, -gl, 0.0)
         w_go = w2 * go[:, None]  # ids not on this rank index the scratch column: no mask needed
+        if ctx.native:  # the CPU kernel: softmax scaled and the weights added in one pass per row
+            grad = _native.sampled_backward(z2, ctx.temperature, lse, coef, lidx, w_go.neg())
+            if label is not None:
+                grad.scatter_add_(1, label.local[:, None], gl_owned[:, None])
+            return grad.reshape(ctx.shape), None, None, None, None, None, None, None
         rows = ctx.rows
+        grad = torch.empty_like(z2)
         # Straight into the gradient without TP (every id is a column of it) when it has the compute dtype; else
         # through a buffer whose last column takes the ids of other ranks.
         direct = ctx.world == 1 and grad.dtype == w2.dtype
