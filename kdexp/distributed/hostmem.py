@@ -19,19 +19,18 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 M_TRIM_THRESHOLD = -1  # glibc's malloc.h
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 1 << 30
 TRIM_THRESHOLD = 2**31 - 1  # mallopt takes an int: the largest, i.e. never trim
-_applied: list[bool] = []
 
 
+@functools.cache
 def keep_freed_memory() -> bool:
     """Set the policy above once per process; True when it is in force (set now or before)."""
-    if _applied:
-        return _applied[0]
     ok = False
     user = any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")) or \
         "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", "")
@@ -43,5 +42,4 @@ def keep_freed_memory() -> bool:
         if mallopt is not None:
             mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
             ok = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-    _applied.append(ok)
     return ok

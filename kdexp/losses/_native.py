@@ -1,4 +1,4 @@
-"""The CPU kernel of the Top-K student half (_native.c): built with the system C compiler on first use, loaded by ctypes.
+"""The CPU kernel of the sparse KD losses (_native.c): built with the system C compiler on first use, run via ctypes.
 
 Why a kernel: on CPU each eager torch op of the sparse loss is a memory-bound pass over a [rows, V] chunk (copy, -inf
 scatter, max, sub, floor, exp, sum, gather; scale and scatter in backward), and on the embedded default (K = 1,024

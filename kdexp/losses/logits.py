@@ -487,7 +487,7 @@ class _LogitsKD(torch.autograd.Function):
                 if held is not None and exp_sum is not None:
                     # the rows hold e = exp((s - m) / T) outside S, and exp((s - centre) / T - lse_notS) = e / sum(e)
                     f_out = cf.div_(exp_sum)
-                    native = isinstance(cand_grad, _SplitGrad) and _native.serves(x, x)
+                    native = isinstance(cand_grad, _SplitGrad) and _native.serves(student, held)
                     if not native:
                         x.mul_(f_out[:, None])
                 else:

@@ -238,20 +238,21 @@ class _SparseCE(torch.autograd.Function):
             lse = torch.empty(n, dtype=cdtype, device=z.device)
             picked = torch.empty_like(w2)
             buf = torch.empty(rows, vl + 1, dtype=cdtype, device=z.device)
-        raw = temperature == 1.0 and z2.dtype == cdtype  # z itself is z / T: log-softmax it straight into buf
-        for lo in range(0, 0 if native else n, rows):
-            hi = min(n, lo + rows)
-            # z / T: the logits themselves (read, not consumed: the log-softmax goes to a contiguous [c, V] view of
-            # the buffer, since given the buffer's [c, :V] slice, with its V+1 row stride, the out= kernel restrides
-            # it to contiguous), else a copy in the buffer (consumed in place; its scratch column is -inf)
-            x = z2[lo:hi] if raw else _load_(buf[: hi - lo], z2[lo:hi], temperature, None)[0]
-            picked[lo:hi] = x.gather(1, gather_idx[lo:hi])
-            into = buf.view(-1)[: (hi - lo) * vl].view(hi - lo, vl) if raw else None
-            lse_g, lse_l, logp = _lse_(x, shard, into=into)
-            lse[lo:hi] = lse_g
-            if label is not None:  # -log q(label) (T = 1), from the fused log-softmax as megatron's; owner only
-                lp = logp.gather(1, label.local[lo:hi, None])[:, 0]
-                lm[lo:hi] = torch.where(label.owned[lo:hi], -(lp + (lse_l - lse_g)), 0.0)
+            raw = temperature == 1.0 and z2.dtype == cdtype  # z itself is z / T: log-softmax it straight into buf
+            for lo in range(0, n, rows):
+                hi = min(n, lo + rows)
+                # z / T: the logits themselves (read, not consumed: the log-softmax goes to a contiguous [c, V] view
+                # of the buffer, since given the buffer's [c, :V] slice, with its V+1 row stride, the out= kernel
+                # restrides it to contiguous), else a copy in the buffer (consumed in place; its scratch column is
+                # -inf)
+                x = z2[lo:hi] if raw else _load_(buf[: hi - lo], z2[lo:hi], temperature, None)[0]
+                picked[lo:hi] = x.gather(1, gather_idx[lo:hi])
+                into = buf.view(-1)[: (hi - lo) * vl].view(hi - lo, vl) if raw else None
+                lse_g, lse_l, logp = _lse_(x, shard, into=into)
+                lse[lo:hi] = lse_g
+                if label is not None:  # -log q(label) (T = 1) from the fused log-softmax, as megatron's; owner only
+                    lp = logp.gather(1, label.local[lo:hi, None])[:, 0]
+                    lm[lo:hi] = torch.where(label.owned[lo:hi], -(lp + (lse_l - lse_g)), 0.0)
         if owned is not None:  # each id's student logit / T from the rank that owns it
             shard.all_reduce_(picked.masked_fill_(~owned, 0.0))
         log_s = picked - lse[:, None]
