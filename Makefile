@@ -6,7 +6,16 @@ ARGS ?=
 # TORCH_INDEX=https://download.pytorch.org/whl/cpu. Empty: pip's own configuration (index, find-links) decides.
 TORCH_INDEX ?=
 
-.PHONY: run test bench clean-venv
+.PHONY: run test bench wheelhouse clean-venv
+
+# Offline install for a node without a package index (docs/install.md): every wheel kdexp needs besides torch, for
+# WHEEL_PYTHON on Linux. WHEEL_HAVE names packages the node has already (with their dependencies), WHEEL_HAVE_FILE is
+# `pip freeze` taken on the node (exact); WHEEL_MAX_MIB fails a folder larger than that.
+WHEEL_PYTHON ?= 3.12
+WHEEL_HAVE ?=
+WHEEL_HAVE_FILE ?=
+WHEEL_MAX_MIB ?=
+WHEELHOUSE ?= wheelhouse
 
 # The venv is created once; torch is installed first, pinned to the version the suite is tested with, so that
 # `pip install -e .` finds it satisfied and pulls no other build.
@@ -26,6 +35,11 @@ test: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) -m kdexp.bench.losses $(ARGS)
+
+wheelhouse: $(VENV)/.installed
+	$(PY) -m kdexp.launchers.wheelhouse --python $(WHEEL_PYTHON) --out $(WHEELHOUSE) \
+		$(if $(WHEEL_HAVE),--have $(WHEEL_HAVE)) $(if $(WHEEL_HAVE_FILE),--have-file $(WHEEL_HAVE_FILE)) \
+		$(if $(WHEEL_MAX_MIB),--max-mib $(WHEEL_MAX_MIB))
 
 clean-venv:
 	rm -rf $(VENV)

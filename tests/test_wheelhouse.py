@@ -1,0 +1,76 @@
+"""`make wheelhouse`: an offline node installs kdexp from the folder alone (pip --no-index) and runs it.
+
+The node is simulated by a fresh venv that has what the documented GPU-node recipe says it has (torch and
+transformers, installed the ordinary way first); everything else must come from the wheelhouse, with no index."""
+from __future__ import annotations
+
+import importlib.metadata as md
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from kdexp.launchers import wheelhouse
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(cmd, **kw):
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, **kw)
+    assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_manylinux_tags_cover_older_glibc():
+    tags = wheelhouse.manylinux_tags("x86_64")
+    assert tags[0] == "manylinux_2_28_x86_64" and "manylinux2014_x86_64" in tags and "manylinux1_x86_64" in tags
+    assert "manylinux_2_29_x86_64" not in tags  # a glibc 2.28 node cannot load those
+
+
+def test_have_file_names_are_normalised(tmp_path):
+    freeze = tmp_path / "freeze.txt"
+    freeze.write_text("Torch==2.11.0+cu128\n# comment\ntyping_extensions==4.12\n-e git+https://x/y#egg=z\n"
+                      "huggingface-hub @ file:///w/hub.whl\n")
+    assert wheelhouse._freeze_names(freeze) == {"torch", "typing-extensions", "huggingface-hub"}
+
+
+@pytest.mark.slow
+def test_offline_node_installs_and_runs_from_the_wheelhouse(tmp_path):
+    house = tmp_path / "wheelhouse"
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    out = _run([sys.executable, "-m", "kdexp.launchers.wheelhouse", "--python", py, "--have", "transformers",
+                "--out", str(house), "--max-mib", "60"], cwd=ROOT).stdout
+    assert "--no-index --find-links" in out
+    names = {p.name.split("-")[0].lower() for p in house.glob("*.whl")}
+    assert {"kdexp", "megatron_core", "hydra_core", "omegaconf", "submitit", "wandb"} <= names, names
+    assert not names & {"torch", "transformers", "triton"} and not any(n.startswith("nvidia") for n in names), names
+    for wheel in house.glob("*.whl"):  # every binary wheel is for this interpreter (or the stable ABI)
+        tag = wheel.name[:-4].split("-")[-3:]
+        assert tag[0].startswith(("py3", "py2", f"cp{py.replace('.', '')}")) or tag[1] == "abi3", wheel.name
+        assert zipfile.is_zipfile(wheel)
+
+    node = tmp_path / "node"
+    _run([sys.executable, "-m", "venv", str(node)])
+    pip = [str(node / "bin" / "python"), "-m", "pip", "install", "-q"]
+    # what the node already has: the pinned torch and transformers of this checkout, installed the ordinary way
+    _run([*pip, f"torch=={md.version('torch')}", f"transformers=={md.version('transformers')}"])
+    _run([*pip, "--no-index", "--find-links", str(house), "kdexp"])
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {**os.environ, "KDEXP_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "offline"}
+    for key in ("PYTHONPATH", "KDEXP_RUN_STAMP", "VIRTUAL_ENV"):
+        env.pop(key, None)
+    proc = subprocess.run([str(node / "bin" / "python"), "-m", "kdexp.run", "experiment=smoke", "trainer.max_steps=2",
+                           "trainer.eval_interval=2", "logger=none", "hydra.run.dir=run"], cwd=elsewhere, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads((elsewhere / "run" / "summary.json").read_text())["status"] == "finished"
+    # the GPU check's entry point is installed too (it needs CUDA to run: on this machine it must say so, not crash)
+    gpu = subprocess.run([str(node / "bin" / "python"), "-m", "kdexp.bench.gpu", "--help"], cwd=elsewhere, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert gpu.returncode == 0 and "usage" in gpu.stdout, gpu.stderr[-2000:]
