@@ -76,3 +76,19 @@ def test_hydra_help_is_still_hydras(page):
     proc = subprocess.run([sys.executable, "-m", "kdexp.run", "--hydra-help"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "hydra/launcher:" in proc.stdout and "submitit_slurm" in proc.stdout, proc.stdout
+
+
+def test_plan_help_explains_every_line_of_its_table(capsys):
+    from kdexp.plan.__main__ import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--help"])
+    assert stop.value.code == 0
+    page = capsys.readouterr().out
+    assert main(["--gpus", "8", "model=qwen3", "parallel.tensor=2", "trainer.gpu_memory_gb=79.6"]) == 0
+    table = capsys.readouterr().out
+    explained = page.split("how to read the table:", 1)[1]
+    for label in ("peak allocated", "reserve", "needs", "FLOPs per token", "tokens/s at MFU"):
+        assert any(line.startswith(label) for line in table.splitlines()), (label, table)
+        assert f"\n  {label}" in explained, label
+    assert "fits trainer.gpu_memory_gb=79.6" in table and '"fits"' in explained
