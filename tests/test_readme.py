@@ -88,7 +88,9 @@ def parse(text: str, page: Path = README) -> list[Block]:
         m = DIRECTIVE.match(lines[i - 1]) if i > 0 else None
         block = Block(page, i + 1, fence.group(1), "\n".join(lines[i + 1:end]) + "\n", m and m.group("kind"))
         if m:
-            block.arg = m.group("rest").strip().removeprefix(":").strip()
+            rest = m.group("rest").strip()
+            # run: only what follows ":" is appended; `<!-- run exit=0,1 (why) -->`'s text is the reader's note
+            block.arg = rest[1:].strip() if rest.startswith(":") else "" if block.kind == "run" else rest
             if m.group("exit"):
                 block.exits = tuple(int(x) for x in m.group("exit").split("=")[1].split(","))
         blocks.append(block)
@@ -136,7 +138,7 @@ def test_parser_reads_directives_commands_and_exits():
     a, b, c, d = parse(text)
     assert (a.kind, a.arg, a.commands, a.exits, a.line) == ("run", "a=1", ["make run", "python -m a b=1"], (0,), 2)
     assert (b.kind, b.lang) == (None, "python")
-    assert (c.kind, c.exits, c.arg) == ("run", (0, 1), "(1 without a GPU)")
+    assert (c.kind, c.exits, c.arg) == ("run", (0, 1), "")
     assert (d.kind, d.arg, d.lang) == ("covered", "t.py::f", "")
 
 
