@@ -24,7 +24,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from kdexp.losses._shard import Shard
+from kdexp.losses._shard import Shard, check_ids
 from kdexp.losses.logits import (_chunk_rows, _LogitsKD, _load_, _mask_at_, _masked_lse_, _scaled, _shaped, check_labels,
                                  make_cfg)
 
@@ -128,6 +128,7 @@ def cached_kd_loss(
                    ghost_token=ghost_token, normalization=normalization, divergence=divergence, beta=beta,
                    scale_by_temperature_squared=scale_by_temperature_squared, chunk_tokens=chunk_tokens)
     v = values.reshape(-1, k_max)
+    check_ids(indices.reshape(-1, k_max), shard.vocab, "cached teacher id")
     ix = indices.reshape(-1, k_max).long()
     lz = lse.reshape(-1)
     lr = lse_rest.reshape(-1)
