@@ -237,3 +237,16 @@ def test_jsd_is_clamped_at_zero_on_any_kept_set():
     for kw in (dict(top_k=16, ghost_token=False), dict(top_k=16, top_p=0.5, ghost_token=False), {}):
         loss = logits_kd_loss(student, teacher, divergence="jsd", **kw)
         assert loss.min().item() >= 0.0
+
+
+def test_global_topk_follows_the_tie_rule_on_many_ties():
+    from kdexp.losses._shard import Shard
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (200, 17), generator=g).float()  # every row full of ties
+    shard = Shard.make(17, None, x.device)
+    for k in (1, 3, 8, 16, 17):
+        order = torch.argsort(x, dim=1, descending=True, stable=True)[:, :k]
+        vals, idx = shard.global_topk(x, k, torch.float32, sort=True)
+        assert torch.equal(idx, order) and torch.equal(vals, x.gather(1, order))
+        vals, idx = shard.global_topk(x, k, torch.float32, sort=False)
+        assert torch.equal(idx.sort(1).values, order.sort(1).values)

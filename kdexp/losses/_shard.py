@@ -115,21 +115,26 @@ class Shard:
 
 
 def _topk_lowest_ids(x: torch.Tensor, k: int):
-    """torch.topk(x, k, sorted=False) with ties at the k-th value resolved to the lowest ids. A tie straddles the
-    boundary iff more than k entries are >= the k-th value: one compare-and-count pass finds those rows (rare:
-    equal logits), which are then re-selected exactly (every entry above the k-th value, then the lowest ids equal
-    to it)."""
-    vals, idx = torch.topk(x, k, dim=-1, sorted=False)
+    """torch.topk(x, k, sorted=False) with ties at the k-th value resolved to the lowest ids. The top k + 1 (the same
+    one pass over the vocabulary) tell where a tie straddles the boundary: their two smallest values are equal. Other
+    rows drop their smallest; those rows (rare: equal logits) are re-selected exactly (every entry above the k-th
+    value, then the lowest ids equal to it)."""
     if k >= x.shape[-1] or x.shape[0] == 0:
-        return vals, idx
-    thr = vals.amin(1, keepdim=True)
-    fix = (x >= thr).sum(1) > k
+        return torch.topk(x, k, dim=-1, sorted=False)
+    vals, idx = torch.topk(x, k + 1, dim=-1, sorted=False)
+    low = torch.topk(vals, 2, dim=-1, largest=False)  # [c, 2], ascending: the (k+1)-th and the k-th value
+    # drop the (k+1)-th: move the last column into its place, then cut the last column off
+    pos = low.indices[:, :1]
+    vals.scatter_(1, pos, vals[:, k:].clone())
+    idx.scatter_(1, pos, idx[:, k:].clone())
+    vals, idx = vals[:, :k], idx[:, :k]
+    fix = low.values[:, 0] == low.values[:, 1]
     if not bool(fix.any()):
         return vals, idx
     rows = fix.nonzero()[:, 0]
-    xb, tb = x[rows], thr[rows]
+    xb, tb = x[rows], low.values[rows, :1]
     above, eq = xb > tb, xb == tb
-    room = k - above.sum(1, keepdim=True)  # > 0: the k-th value itself was taken
+    room = k - above.sum(1, keepdim=True)  # > 0: the k-th value ties with the (k+1)-th
     take = above | (eq & (eq.cumsum(1) <= room))  # exactly k per row
     ib = take.nonzero()[:, 1].view(-1, k)  # ascending ids
     vals[rows], idx[rows] = xb.gather(1, ib), ib
