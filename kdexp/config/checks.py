@@ -99,7 +99,7 @@ TEACHER_VALUES = ("float32", "bfloat16", "float16")  # kdexp.teacher.format.VALU
 
 def _check_teacher(cfg: Any, vocab: Optional[int]) -> None:
     """teacher.*: its own values, then what a cached teacher can serve of the loss (cached temperatures; top-K_max
-    only, unless loss.samples makes it a cache of sampled draws)."""
+    only, or a nucleus that fits in it, unless loss.samples makes it a cache of sampled draws)."""
     tc, loss = cfg.teacher, cfg.loss
     choice("teacher.name", tc.name, TEACHERS)
     integer("teacher.k_max", tc.k_max, ge=1)
@@ -122,11 +122,14 @@ def _check_teacher(cfg: Any, vocab: Optional[int]) -> None:
                                                    "teacher=cached (add it to teacher.temperatures)")
     if loss.samples is not None:  # a "sampled" cache of the draws: teacher.k_max and loss.top_k play no part
         return
-    if loss.top_k is None:
-        what = "dense KD" if loss.top_p is None else "a nucleus (loss.top_p) not bounded by loss.top_k"
-        fail("loss.top_k", None, f"must be set with teacher=cached: the cache holds only the teacher's top-"
-                                 f"{tc.k_max} (teacher.k_max), so {what} cannot be served; set loss.top_k in "
-                                 f"[1, {tc.k_max}] or use teacher=online")
+    if loss.top_k is None and (loss.top_p is None or float(loss.top_p) == 1.0):
+        fail("loss.top_k", None, f"must be set with teacher=cached unless loss.top_p cuts a nucleus: the cache holds "
+                                 f"only the teacher's top-{tc.k_max} (teacher.k_max), so dense KD cannot be served; "
+                                 f"set loss.top_k in [1, {tc.k_max}] or loss.top_p < 1, or use teacher=online")
+    if loss.top_k is None:  # a true nucleus: served while each token's fits in its top-K_max (checked per batch)
+        if loss.min_k > tc.k_max:
+            fail("loss.min_k", loss.min_k, f"must be in [1, teacher.k_max={tc.k_max}] with teacher=cached")
+        return
     if loss.top_k > tc.k_max:
         fail("loss.top_k", loss.top_k, f"must be in [1, teacher.k_max={tc.k_max}] with teacher=cached (raise "
                                        "teacher.k_max to cache more)")
