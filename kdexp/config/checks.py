@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kdexp.config.rules import unresolved
-from kdexp.config.sources import check_data, check_model, check_tokenizer, layer_counts, shapes
+from kdexp.config.sources import (ALIGNMENTS, check_alignment, check_data, check_model, check_tokenizer, layer_counts,
+                                  shapes, tokenizer_vocab)
 from kdexp.distributed import launch
 from kdexp.losses.options import BalancerOptions, KDLossOptions, SampledKDOptions, check_intermediate
 from kdexp.rules import choice, fail, integer, number, text
@@ -203,10 +204,12 @@ def validate(cfg: Any) -> None:
     check_model(cfg)
     sizes = shapes(cfg)
     teacher_vocab, student_vocab = sizes["teacher"][0], sizes["student"][0]
-    if teacher_vocab is not None and student_vocab is not None and teacher_vocab != student_vocab:
-        raise ValueError(f"model.teacher vocabulary ({teacher_vocab}) and model.student vocabulary ({student_vocab}) "
-                         "differ: logit distillation needs one shared vocabulary")
+    choice("model.vocab_alignment", cfg.model.vocab_alignment, ALIGNMENTS)
     check_tokenizer(cfg)
+    if teacher_vocab is not None and student_vocab is not None and \
+            (teacher_vocab != student_vocab or cfg.model.vocab_alignment != "exact"):
+        check_alignment(cfg.model.vocab_alignment, teacher_vocab, student_vocab, tokenizer_vocab(cfg))
+        teacher_vocab = student_vocab  # the teacher is loaded with the student's rows
     kd = KDLossOptions.from_config(cfg.loss).check(teacher_vocab, prefix="loss.")  # the loss's own rules
     SampledKDOptions.from_config(cfg.loss).check(kd, prefix="loss.")
     _check_intermediate(cfg)
