@@ -250,3 +250,36 @@ def test_global_topk_follows_the_tie_rule_on_many_ties():
         assert torch.equal(idx, order) and torch.equal(vals, x.gather(1, order))
         vals, idx = shard.global_topk(x, k, torch.float32, sort=False)
         assert torch.equal(idx.sort(1).values, order.sort(1).values)
+
+
+def _tp_tie_worker(rank, world):
+    import torch.distributed as dist
+
+    from kdexp.losses._shard import Shard
+
+    dist.init_process_group("gloo")
+    g = torch.Generator().manual_seed(4)
+    t = torch.randint(0, 3, (30, 21), generator=g).float()  # ties everywhere, across the shard boundary
+    s = torch.randn(30, 21, generator=g)
+    lo, hi = (0, 9) if rank == 0 else (9, 21)  # uneven shards
+    shard = Shard.make(hi - lo, dist.group.WORLD, t.device)
+    for k in (1, 5, 9, 12, 20):
+        _, idx = shard.global_topk(t[:, lo:hi].contiguous(), k, torch.float32, sort=True)
+        assert torch.equal(idx, torch.argsort(t, dim=1, descending=True, stable=True)[:, :k]), (rank, k)
+    for kw in (dict(top_k=5), dict(top_k=9, top_p=0.6, min_k=2)):
+        rec = teacher_topk_record(t[:, lo:hi].contiguous(), 12, [1.0], tp_group=dist.group.WORLD)
+        x = s[:, lo:hi].contiguous()
+        online = logits_kd_loss(x, t[:, lo:hi].contiguous(), tp_group=dist.group.WORLD, **kw)
+        cached = cached_kd_loss(x, rec.values, rec.indices, rec.lse[:, 0], rec.lse_rest[:, 0],
+                                tp_group=dist.group.WORLD, **kw)
+        ref = reference_kd(s.double(), t.double(), **kw)[0]
+        torch.testing.assert_close(online.double(), ref, rtol=0, atol=1e-6)
+        torch.testing.assert_close(cached.double(), ref, rtol=0, atol=1e-6)
+    return True
+
+
+@pytest.mark.slow
+def test_tp2_follows_the_same_tie_rule():
+    from kdexp.distributed.testing import run_on_processes
+
+    assert run_on_processes(_tp_tie_worker, 2, timeout=240) == [True, True]
