@@ -3,6 +3,8 @@ vocabulary sizes over one 256-id tokenizer (the teacher padded to 320 rows, the 
 at 256), built here. Loaded aligned, the teacher's logits on the real ids are the unpadded teacher's exactly, every
 padded id is -inf in both models, and the KD loss equals the float64 reference on the shared ids; a model with fewer
 rows than the tokenizer has ids, or a mismatch without the option, is a config error naming the fix."""
+import math
+
 import pytest
 import torch
 from hydra import compose, initialize_config_module
@@ -34,7 +36,8 @@ def _qwen3(vocab: int, seed: int):
 def _tokenizer(directory):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(REAL - 1)} | {"<unk>": REAL - 1}, unk_token="<unk>"))
+    words = {f"w{i}": i for i in range(REAL - 2)} | {"<|endoftext|>": REAL - 2, "<unk>": REAL - 1}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(directory / "tokenizer.json"))
 
@@ -122,3 +125,23 @@ def test_config_accepts_padding_only_and_names_the_fix(ckpts):
                       "model.vocab_alignment=tokenizer"))
     with pytest.raises(ValueError, match="model.vocab_alignment='tokens' is invalid"):
         validate(_cfg(*both, "model.vocab_alignment=tokens"))
+
+
+@pytest.mark.slow
+def test_a_run_distils_between_padded_checkpoints(ckpts, env, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "kdexp.run", f"model.teacher_path={ckpts['padded']}",
+            f"model.student_path={ckpts['student']}", "model.teacher=0.6b", "model.student=0.6b", "teacher.k_max=256",
+            "loss.top_k=64", "logger=none", "data.max_chars=100000", "trainer.max_steps=2", "trainer.warmup_steps=1",
+            "trainer.micro_batch_size=2", "trainer.seq_length=32", "trainer.eval_interval=2", "trainer.eval_iters=1",
+            "trainer.checkpoint_interval=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    refused = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "set model.vocab_alignment=tokenizer" in refused.stderr, refused.stderr[-2000:]
+    done = subprocess.run([*args, "model.vocab_alignment=tokenizer"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    final = json.loads((tmp_path / "run" / "summary.json").read_text())["final"]
+    assert all(math.isfinite(v) for k, v in final.items() if isinstance(v, float)), final
