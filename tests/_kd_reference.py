@@ -1,5 +1,6 @@
 """Independent float64 reference for kdexp.losses.logits_kd_loss, written from the definition (one token at a time,
-full softmax, argsort, explicit probability vectors), sharing no code with the implementation."""
+full softmax, argsort, explicit probability vectors), sharing no code with the implementation. Ties in the teacher's
+order go to the lower vocabulary id (a stable sort), the rule both the online and the cached loss follow."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def reference_kd(student, teacher, *, temperature=1.0, top_k=None, top_p=None, m
     p_all = torch.softmax(t, -1)
     losses, kept_t, kept_s, sizes, resid_t, resid_s = [], [], [], [], [], []
     for i in range(n):
-        order = torch.argsort(p_all[i], descending=True)
+        order = torch.argsort(p_all[i], descending=True, stable=True)  # ties: the lower vocabulary id first
         cand = order[: (top_k if top_k is not None else v)]
         pc = p_all[i, cand]
         if top_p is not None:

@@ -200,6 +200,7 @@ BAD = [
     (["balancer=dynamic", "balancer.alpha=5"], "balancer.alpha", "(dynamic|ignore)"),
     (["loss.divergence=hellinger"], "loss.divergence", "forward_kl"),
     (["loss.normalization=softmax"], "loss.normalization", "renormalize"),
+    (["model.vocab_alignment=padded"], "model.vocab_alignment", "exact, tokenizer"),
     (["loss=renorm_topk", "loss.ghost_token=true"], "loss.ghost_token", "renormalize"),
 ]
 

@@ -118,8 +118,12 @@ def test_refuses_what_the_cache_cannot_serve():
     args = (s, rec.values, rec.indices, rec.lse[:, 0], rec.lse_rest[:, 0])
     with pytest.raises(ValueError, match=r"top_k=9 is invalid: must be in \[1, the cached K_max=8\]"):
         cached_kd_loss(*args, top_k=9)
-    with pytest.raises(ValueError, match="dense KD or an unbounded nucleus cannot be served"):
-        cached_kd_loss(*args, top_k=None, top_p=0.9)
+    with pytest.raises(ValueError, match="dense KD cannot be served"):
+        cached_kd_loss(*args, top_k=None)
+    with pytest.raises(ValueError, match="dense KD cannot be served"):
+        cached_kd_loss(*args, top_k=None, top_p=1.0)
+    with pytest.raises(ValueError, match=r"min_k=9 is invalid: must be in \[1, the cached K_max=8\]"):
+        cached_kd_loss(*args, top_k=None, top_p=0.5, min_k=9)
     with pytest.raises(ValueError, match=r"lse has shape \(3,\), expected \(9,\)"):
         cached_kd_loss(s, rec.values, rec.indices, rec.lse[:3, 0], rec.lse_rest[:, 0], top_k=4)
     with pytest.raises(ValueError, match="k_max=65 is invalid"):
@@ -155,3 +159,40 @@ def _tp_worker(rank, world):
 
 def test_tp2_cached_equals_unsharded_online():
     assert run_on_processes(_tp_worker, 2, timeout=240) == [len(CASES)] * 2
+
+
+# ------------------------------------------------------------------------------------- a nucleus from the cache
+
+NUCLEI = [dict(top_p=0.8), dict(top_p=0.95, min_k=3), dict(top_p=0.6, divergence="reverse_kl", temperature=2.0),
+          dict(top_p=0.9, ghost_token=False, divergence="jsd", temperature=0.7),
+          dict(top_p=0.7, normalization="renormalize", ghost_token=False)]
+
+
+@pytest.mark.parametrize("kw", NUCLEI, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_a_nucleus_that_fits_is_served_as_online(kw):
+    s, t = _logits(7, n=30)
+    t = t * 2  # peaked enough that each token's nucleus fits in K_MAX of V
+    rec = teacher_topk_record(t, K_MAX, TEMPS)
+    w = torch.linspace(0.5, 1.5, 30)
+    (l1, st1, g1), (l2, st2, g2) = _both(s, t, rec, kw, w)
+    torch.testing.assert_close(l2, l1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(g2, g1, rtol=1e-5, atol=1e-7)
+    assert torch.equal(st1.nucleus_size, st2.nucleus_size)
+    assert int(st2.nucleus_size.max()) < K_MAX  # not a Top-K_max in disguise
+    ref = reference_kd(s.double(), t.double(), **kw)[0]
+    torch.testing.assert_close(l2.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_nucleus_that_overflows_names_the_tokens_and_a_k_max():
+    s, t = _logits(8, n=12)
+    rec = teacher_topk_record(t, 4, [1.0])
+    mass = 1 - (rec.lse_rest[:, 0] - rec.lse[:, 0]).double().exp()
+    over = int((mass < 0.9).sum())
+    assert 0 < over < 12
+    with pytest.raises(ValueError, match=rf"top_p=0.9 does not fit in the cached top-4 for {over} of 12 tokens.*"
+                                         r"teacher.k_max >= \d+ \(a lower bound\)") as err:
+        cached_kd_loss(s, rec.values, rec.indices, rec.lse[:, 0], rec.lse_rest[:, 0], top_p=0.9)
+    need = int(str(err.value).split("teacher.k_max >= ")[1].split()[0])
+    # the bound is honest: the nucleus of the worst token is at least that large
+    _, stats = logits_kd_loss(s, t, top_p=0.9, return_stats=True)
+    assert 4 < need <= int(stats.nucleus_size.max())

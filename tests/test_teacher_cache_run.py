@@ -30,7 +30,7 @@ def cfg_of(*overrides: str):
 @pytest.mark.parametrize("overrides,message", [
     (["loss.top_k=2000"], r"loss.top_k=2000 is invalid: must be in \[1, teacher.k_max=1024\] with teacher=cached"),
     (["loss=dense"], r"loss.top_k=None is invalid: .* so dense KD cannot be served"),
-    (["loss=top_p"], r"loss.top_k=None is invalid: .* a nucleus \(loss.top_p\) not bounded by loss.top_k"),
+    (["loss=top_p", "loss.min_k=1025"], r"loss.min_k=1025 is invalid: must be in \[1, teacher.k_max=1024\]"),
     (["loss.temperature=2"], r"loss.temperature=2.0 is invalid: must be one of the cached teacher.temperatures \[1.0\]"),
     (["teacher.k_max=5000"], r"teacher.k_max=5000 is invalid: must be in \[1, the vocabulary size 2048\]"),
     (["loss=sampled", "loss.temperature=2"], r"loss.temperature=2.0 is invalid: must be one of the cached "
@@ -48,6 +48,7 @@ def test_served_options_validate():
     validate(cfg_of("teacher=cached", "loss.top_k=512", "loss.top_p=0.9", "loss.min_k=4", "loss.divergence=jsd",
                     "teacher.temperatures=[1.0,2.0]", "loss.temperature=2.0", "teacher.dtype=bfloat16"))
     validate(cfg_of("loss=dense"))  # the online teacher serves everything
+    validate(cfg_of("teacher=cached", "loss=top_p", "loss.top_p=0.8"))  # a nucleus, while it fits in top-K_max
     # sampled KD from a cache of the draws: top_k is null there and teacher.k_max plays no part
     validate(cfg_of("teacher=cached", "loss=sampled", "loss.proposal_temperature=1.5", "loss.normalize_weights=false",
                     "teacher.temperatures=[1.0,2.0]", "loss.temperature=2.0", "teacher.k_max=1"))

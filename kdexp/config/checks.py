@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kdexp.config.rules import unresolved
-from kdexp.config.sources import check_data, check_model, check_tokenizer, layer_counts, shapes
+from kdexp.config.sources import (ALIGNMENTS, check_alignment, check_data, check_model, check_tokenizer, layer_counts,
+                                  shapes, tokenizer_vocab)
 from kdexp.distributed import launch
 from kdexp.losses.options import BalancerOptions, KDLossOptions, SampledKDOptions, check_intermediate
 from kdexp.rules import choice, fail, integer, number, text
@@ -99,7 +100,7 @@ TEACHER_VALUES = ("float32", "bfloat16", "float16")  # kdexp.teacher.format.VALU
 
 def _check_teacher(cfg: Any, vocab: Optional[int]) -> None:
     """teacher.*: its own values, then what a cached teacher can serve of the loss (cached temperatures; top-K_max
-    only, unless loss.samples makes it a cache of sampled draws)."""
+    only, or a nucleus that fits in it, unless loss.samples makes it a cache of sampled draws)."""
     tc, loss = cfg.teacher, cfg.loss
     choice("teacher.name", tc.name, TEACHERS)
     integer("teacher.k_max", tc.k_max, ge=1)
@@ -122,11 +123,14 @@ def _check_teacher(cfg: Any, vocab: Optional[int]) -> None:
                                                    "teacher=cached (add it to teacher.temperatures)")
     if loss.samples is not None:  # a "sampled" cache of the draws: teacher.k_max and loss.top_k play no part
         return
-    if loss.top_k is None:
-        what = "dense KD" if loss.top_p is None else "a nucleus (loss.top_p) not bounded by loss.top_k"
-        fail("loss.top_k", None, f"must be set with teacher=cached: the cache holds only the teacher's top-"
-                                 f"{tc.k_max} (teacher.k_max), so {what} cannot be served; set loss.top_k in "
-                                 f"[1, {tc.k_max}] or use teacher=online")
+    if loss.top_k is None and (loss.top_p is None or float(loss.top_p) == 1.0):
+        fail("loss.top_k", None, f"must be set with teacher=cached unless loss.top_p cuts a nucleus: the cache holds "
+                                 f"only the teacher's top-{tc.k_max} (teacher.k_max), so dense KD cannot be served; "
+                                 f"set loss.top_k in [1, {tc.k_max}] or loss.top_p < 1, or use teacher=online")
+    if loss.top_k is None:  # a true nucleus: served while each token's fits in its top-K_max (checked per batch)
+        if loss.min_k > tc.k_max:
+            fail("loss.min_k", loss.min_k, f"must be in [1, teacher.k_max={tc.k_max}] with teacher=cached")
+        return
     if loss.top_k > tc.k_max:
         fail("loss.top_k", loss.top_k, f"must be in [1, teacher.k_max={tc.k_max}] with teacher=cached (raise "
                                        "teacher.k_max to cache more)")
@@ -200,10 +204,12 @@ def validate(cfg: Any) -> None:
     check_model(cfg)
     sizes = shapes(cfg)
     teacher_vocab, student_vocab = sizes["teacher"][0], sizes["student"][0]
-    if teacher_vocab is not None and student_vocab is not None and teacher_vocab != student_vocab:
-        raise ValueError(f"model.teacher vocabulary ({teacher_vocab}) and model.student vocabulary ({student_vocab}) "
-                         "differ: logit distillation needs one shared vocabulary")
+    choice("model.vocab_alignment", cfg.model.vocab_alignment, ALIGNMENTS)
     check_tokenizer(cfg)
+    if teacher_vocab is not None and student_vocab is not None and \
+            (teacher_vocab != student_vocab or cfg.model.vocab_alignment != "exact"):
+        check_alignment(cfg.model.vocab_alignment, teacher_vocab, student_vocab, tokenizer_vocab(cfg))
+        teacher_vocab = student_vocab  # the teacher is loaded with the student's rows
     kd = KDLossOptions.from_config(cfg.loss).check(teacher_vocab, prefix="loss.")  # the loss's own rules
     SampledKDOptions.from_config(cfg.loss).check(kd, prefix="loss.")
     _check_intermediate(cfg)

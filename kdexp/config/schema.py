@@ -23,6 +23,10 @@ class ModelConfig:
     teacher_path: Optional[str] = None  # local HF checkpoint dir; required for real (non-tiny) teachers
     student_path: Optional[str] = None  # local HF checkpoint dir to start the student from; None = random init
     params_dtype: str = "float32"  # float32 | bfloat16
+    # exact: teacher and student have one vocabulary size; tokenizer: they may differ by padding rows beyond the
+    # tokenizer's ids (Qwen2.5's 152,064 vs Qwen3's 151,936): aligned on the real ids, padded rows -inf in both
+    # softmaxes (kdexp.models.vocab)
+    vocab_alignment: str = "exact"
     # Embedded default only (no teacher_path): `shipped` loads the teacher trained once by this project's recipe and
     # shipped with the package with its tokenizer (kdexp/assets/teacher); `pretrain` pretrains one here with the
     # recipe below, once per cache (kdexp.train.teacher).

@@ -194,3 +194,36 @@ def check_tokenizer(cfg: Any) -> None:
     tok = Path(tok).expanduser()
     if not ((tok / "tokenizer.json").is_file() or (tok / "tokenizer_config.json").is_file()):
         fail(key, str(tok), "must be a directory with tokenizer.json (the tokenizer of the data)")
+
+
+ALIGNMENTS = ("exact", "tokenizer")  # model.vocab_alignment (kdexp.models.vocab)
+
+
+def check_alignment(alignment: str, teacher_vocab: int, student_vocab: int, real_vocab: int) -> None:
+    """ValueError unless the two vocabularies may be distilled between: equal (alignment "exact"), or both at least
+    the tokenizer's `real_vocab` ids ("tokenizer": they differ only by padding rows)."""
+    if teacher_vocab == student_vocab and alignment == "exact":
+        return
+    if alignment == "exact":
+        raise ValueError(f"model.teacher vocabulary ({teacher_vocab}) and model.student vocabulary ({student_vocab}) "
+                         "differ: logit distillation needs one shared vocabulary; if they differ only by padding rows "
+                         f"beyond the tokenizer's {real_vocab} ids, set model.vocab_alignment=tokenizer")
+    if min(teacher_vocab, student_vocab) < real_vocab:
+        raise ValueError(f"model.vocab_alignment=tokenizer is invalid: the tokenizer has {real_vocab} ids but "
+                         f"model.teacher has {teacher_vocab} vocabulary rows and model.student {student_vocab}; "
+                         "both must cover every id (they may differ only by padding rows beyond the tokenizer)")
+
+
+def tokenizer_vocab(cfg: Any) -> int:
+    """The number of ids the run's tokenizer emits (added tokens included): its tokenizer.json's, or data.vocab_size
+    for the BPE data=stdlib trains."""
+    key, tok = assets.tokenizer_source(cfg)
+    if tok is None:
+        return int(cfg.data.vocab_size)
+    import tokenizers  # only here: a plain config check needs no tokenizer library
+
+    path = Path(tok).expanduser() / "tokenizer.json"
+    try:
+        return tokenizers.Tokenizer.from_file(str(path)).get_vocab_size(with_added_tokens=True)
+    except Exception as e:  # a corrupt or foreign file: name it, one line
+        fail(key, str(tok), f"must hold a readable tokenizer.json (model.vocab_alignment=tokenizer counts its ids): {e}")

@@ -146,7 +146,7 @@ long kd_topk_forward(long n, long V, long K, const float *s, long ss, const int6
                 for (long j = 0; j < K; j++) {
                     float pv = kd_exp(ar[j]);
                     pr[j] = pv;
-                    kl += pv * (ar[j] - br[j]);
+                    kl += pv == 0.0f ? 0.0f : pv * (ar[j] - br[j]);  /* 0 log 0 = 0: a -inf teacher entry adds 0 */
                 }
                 o[5] = kl;
             }
@@ -159,28 +159,42 @@ long kd_topk_forward(long n, long V, long K, const float *s, long ss, const int6
 
 /* Backward of forward KL with every candidate kept (_SplitGrad), per row r, in place on the held rows:
      g[r, i] *= f_out[r]                          (outside S: exp((s - centre) / T - lns) (h - G r_s) sc, held / sum)
-     g[r, idx[r, j]] = e[r, j] f_s[r] - p[r, j] sc[r]     (on S: e (w sc + gl / total) - p sc) */
-void kd_topk_backward(long n, long V, long K, float *g, long gs, const int64_t *idx, long si, const float *e,
+     g[r, idx[r, j]] = e[r, j] f_s[r] - p[r, j] sc[r]     (on S: e (w sc + gl / total) - p sc)
+   Every id is checked before a row is written (the ids are the caller's memory): returns 0, or 1 + the first row
+   holding an id outside [0, V), whose row is left as it was. */
+long kd_topk_backward(long n, long V, long K, float *g, long gs, const int64_t *idx, long si, const float *e,
                       const float *p, const float *f_out, const float *f_s, const float *sc, int nthreads) {
+    long bad = 0;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (long r = 0; r < n; r++) {
         float *x = g + r * gs;
         const int64_t *ix = idx + r * si;
+        int ok = 1;
+        for (long j = 0; j < K; j++) ok &= ix[j] >= 0 && ix[j] < V;
+        if (!ok) {
+#pragma omp critical
+            if (bad == 0 || r + 1 < bad) bad = r + 1;
+            continue;
+        }
         const float *er = e + r * K, *pr = p + r * K;
         float fo = f_out[r], fs = f_s[r], c = sc[r];
 #pragma omp simd
         for (long i = 0; i < V; i++) x[i] *= fo;
         for (long j = 0; j < K; j++) x[ix[j]] = er[j] * fs - pr[j] * c;
     }
+    return bad;
 }
 
-/* Sampled KD (sampled.py's _SparseCE), per row r: the student's log-sum-exp and its logits at the drawn ids.
-     lse[r] <- log sum_i exp(z[r, i] inv_t), centred on the row max (m inv_t + log sum exp((z - m) inv_t))
-     picked[r, j] <- z[r, ids[r, j]] inv_t
+/* Sampled KD (sampled.py's _SparseCE), per row r: the student's log-sum-exp and its logits at the drawn ids, both
+   centred on the row max (0 if not finite), as the logit losses centre theirs: formed from uncentred logits around
+   300 their difference would carry an error of one ulp of 300 (3e-5).
+     centre[r] <- max_i z[r, i]
+     lse[r] <- log sum_i exp((z[r, i] - centre) inv_t)
+     picked[r, j] <- (z[r, ids[r, j]] - centre) inv_t
    A reduction: nothing [V]-sized is written (the eager code writes the log-softmax it then reads one column of).
    Returns 0 or 1 + the first row holding an id outside [0, V). */
 long kd_sampled_forward(long n, long V, long S, const float *z, long zs, const int64_t *ids, long is, float inv_t,
-                        float *lse, float *picked, int nthreads) {
+                        float *centre_out, float *lse, float *picked, int nthreads) {
     long bad = 0;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (long r = 0; r < n; r++) {
@@ -193,12 +207,13 @@ long kd_sampled_forward(long n, long V, long S, const float *z, long zs, const i
         float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
         for (long i = 0; i < V; i++) acc += kd_exp((x[i] - centre) * inv_t);
-        lse[r] = logf(acc) + centre * inv_t;
+        centre_out[r] = centre;
+        lse[r] = logf(acc);
         int ok = 1;
         for (long j = 0; j < S; j++) {
             int64_t c = ix[j];
             if (c < 0 || c >= V) { ok = 0; c = 0; }
-            picked[r * S + j] = x[c] * inv_t;
+            picked[r * S + j] = (x[c] - centre) * inv_t;
         }
         if (!ok) {
 #pragma omp critical
@@ -208,19 +223,29 @@ long kd_sampled_forward(long n, long V, long S, const float *z, long zs, const i
     return bad;
 }
 
-/* Its backward, per row r, into g:  g[r, i] = exp(z[r, i] inv_t - lse[r]) coef[r], then g[r, ids[r, j]] += wn[r, j]
-   (the student softmax scaled, minus the weights: the eager code's sub / exp / mul passes and scatter_add in one). */
-void kd_sampled_backward(long n, long V, long S, const float *z, long zs, float inv_t, const float *lse,
-                         const float *coef, const int64_t *ids, long is, const float *wn, float *g, long gs,
-                         int nthreads) {
+/* Its backward, per row r, into g:  g[r, i] = exp((z[r, i] - centre[r]) inv_t - lse[r]) coef[r], then
+   g[r, ids[r, j]] += wn[r, j] (the student softmax scaled, minus the weights: the eager code's sub / exp / mul passes
+   and scatter_add in one). Ids are checked first, as in kd_topk_backward: 0 or 1 + the first bad row. */
+long kd_sampled_backward(long n, long V, long S, const float *z, long zs, float inv_t, const float *centre,
+                         const float *lse, const float *coef, const int64_t *ids, long is, const float *wn, float *g,
+                         long gs, int nthreads) {
+    long bad = 0;
 #pragma omp parallel for schedule(static) num_threads(nthreads)
     for (long r = 0; r < n; r++) {
         const float *x = z + r * zs;
         float *o = g + r * gs;
         const int64_t *ix = ids + r * is;
-        float l = lse[r], c = coef[r];
+        int ok = 1;
+        for (long j = 0; j < S; j++) ok &= ix[j] >= 0 && ix[j] < V;
+        if (!ok) {
+#pragma omp critical
+            if (bad == 0 || r + 1 < bad) bad = r + 1;
+            continue;
+        }
+        float f = centre[r], l = lse[r], c = coef[r];
 #pragma omp simd
-        for (long i = 0; i < V; i++) o[i] = kd_exp(x[i] * inv_t - l) * c;
+        for (long i = 0; i < V; i++) o[i] = kd_exp((x[i] - f) * inv_t - l) * c;
         for (long j = 0; j < S; j++) o[ix[j]] += wn[r * S + j];
     }
+    return bad;
 }

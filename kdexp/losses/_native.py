@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -90,13 +91,14 @@ def _load():
     lib.kd_topk_forward.restype = c_long
     lib.kd_topk_forward.argtypes = [c_long, c_long, c_long, ptr, c_long, ptr, c_long, c_float, ptr, c_long, ptr, ptr,
                                     ptr, c_long, ptr, ptr, c_int]
-    lib.kd_topk_backward.restype = None
+    lib.kd_topk_backward.restype = c_long
     lib.kd_topk_backward.argtypes = [c_long, c_long, c_long, ptr, c_long, ptr, c_long, ptr, ptr, ptr, ptr, ptr, c_int]
     lib.kd_sampled_forward.restype = c_long
-    lib.kd_sampled_forward.argtypes = [c_long, c_long, c_long, ptr, c_long, ptr, c_long, c_float, ptr, ptr, c_int]
-    lib.kd_sampled_backward.restype = None
-    lib.kd_sampled_backward.argtypes = [c_long, c_long, c_long, ptr, c_long, c_float, ptr, ptr, ptr, c_long, ptr, ptr,
-                                        c_long, c_int]
+    lib.kd_sampled_forward.argtypes = [c_long, c_long, c_long, ptr, c_long, ptr, c_long, c_float, ptr, ptr, ptr,
+                                       c_int]
+    lib.kd_sampled_backward.restype = c_long
+    lib.kd_sampled_backward.argtypes = [c_long, c_long, c_long, ptr, c_long, c_float, ptr, ptr, ptr, ptr, c_long, ptr,
+                                        ptr, c_long, c_int]
     return lib
 
 
@@ -114,13 +116,44 @@ def serves(student: torch.Tensor, held: torch.Tensor | None = None, *, sampled: 
         kernel() is not None
 
 
-def _rows(t: torch.Tensor, dtype: torch.dtype, cols: int) -> int:
-    """t's row stride, after checking it is a [n, cols] tensor of `dtype` with unit column stride (what the kernel
-    indexes)."""
-    if t.dtype != dtype or t.dim() != 2 or t.shape[1] != cols or (cols > 1 and t.stride(1) != 1):
-        raise ValueError(f"native kernel: expected a [n, {cols}] {dtype} tensor with unit column stride, got "
-                         f"{tuple(t.shape)} {t.dtype} strides {t.stride()}")
+def _rows(t: torch.Tensor, dtype: torch.dtype, n: int, cols: int, *, written: bool = False) -> int:
+    """t's row stride, after checking it is a CPU [n, cols] tensor of `dtype` with unit column stride (what the
+    kernel indexes); a tensor the kernel writes must not have overlapping rows either. Every pointer the C code
+    follows is bounded by these checks and by the ids it checks itself: no input reaches memory outside a tensor."""
+    if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype != dtype or t.dim() != 2 or \
+            tuple(t.shape) != (n, cols) or (n > 0 and cols > 1 and t.stride(1) != 1) or \
+            (written and n > 1 and t.stride(0) < cols):
+        raise ValueError(f"native kernel: expected a CPU [{n}, {cols}] {dtype} tensor with unit column stride"
+                         f"{' and disjoint rows' if written else ''}, got {getattr(t, 'shape', t)!r} "
+                         f"{getattr(t, 'dtype', '')} {getattr(t, 'device', '')} strides "
+                         f"{t.stride() if isinstance(t, torch.Tensor) else ''}")
     return t.stride(0)
+
+
+def _vector(t: torch.Tensor, n: int) -> torch.Tensor:
+    """A per-row value as the kernel reads it: [n] float32, contiguous."""
+    t = t.reshape(-1).float().contiguous()
+    if t.shape[0] != n:
+        raise ValueError(f"native kernel: expected {n} per-row values, got {t.shape[0]}")
+    return t
+
+
+def _ids(idx: torch.Tensor, n: int) -> int:
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2 or idx.shape[0] != n or idx.shape[1] < 1:
+        raise ValueError(f"native kernel: expected [{n}, K >= 1] ids, got {getattr(idx, 'shape', idx)!r}")
+    return idx.shape[1]
+
+
+def _temperature(temperature: float) -> float:
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"native kernel: temperature must be a finite number > 0, got {temperature!r}")
+    return 1.0 / float(temperature)
+
+
+def _out_of_range(what: str, idx: torch.Tensor, bad: int, v: int) -> IndexError:
+    row = idx[bad - 1]
+    return IndexError(f"{what} out of range [0, {v}) in row {bad - 1} of the chunk: {row.min().item()}.."
+                      f"{row.max().item()}")
 
 
 def topk_forward(student: torch.Tensor, idx: torch.Tensor, temperature: float, held: torch.Tensor,
@@ -128,63 +161,84 @@ def topk_forward(student: torch.Tensor, idx: torch.Tensor, temperature: float, h
     """The student half of one Top-K chunk (see _native.c): fills `held` (exps outside S, 0 on S) and returns
     (e, b, p, row): e = exp(sv) [c, K]; b = the kept log-probs [c, K], or None with `a` (forward KL, which needs only
     sum p (a - b)); p = exp(a) [c, K] or None; row [c, 6] float32 = centre, lns, sum of the held row, lse, total,
-    sum p (a - b) (0 without a)."""
+    sum p (a - b) (0 without a). An id outside [0, V): IndexError; a malformed tensor: ValueError."""
+    if not isinstance(student, torch.Tensor) or student.dim() != 2:
+        raise ValueError(f"native kernel: expected [n, V] student logits, got {getattr(student, 'shape', student)!r}")
     n, v = student.shape
-    k = idx.shape[1]
-    ss, si, hs = _rows(student, torch.float32, v), _rows(idx, torch.int64, k), _rows(held, torch.float32, v)
-    sa = 0 if a is None else _rows(a, torch.float32, k)
+    k = _ids(idx, n)
+    inv_t = _temperature(temperature)
+    ss, si = _rows(student, torch.float32, n, v), _rows(idx, torch.int64, n, k)
+    hs = _rows(held, torch.float32, n, v, written=True)
+    sa = 0 if a is None else _rows(a, torch.float32, n, k)
     e = torch.empty(n, k, dtype=torch.float32)
     b = torch.empty_like(e) if a is None else None
     p = None if a is None else torch.empty_like(e)
     row = torch.empty(n, 6, dtype=torch.float32)
-    bad = kernel().kd_topk_forward(n, v, k, student.data_ptr(), ss, idx.data_ptr(), si, 1.0 / temperature,
+    bad = kernel().kd_topk_forward(n, v, k, student.data_ptr(), ss, idx.data_ptr(), si, inv_t,
                                    held.data_ptr(), hs, e.data_ptr(), None if b is None else b.data_ptr(),
                                    None if a is None else a.data_ptr(), sa, None if p is None else p.data_ptr(),
                                    row.data_ptr(), torch.get_num_threads())
     if bad < 0:
         raise MemoryError("native kernel: out of memory for a row buffer")
     if bad > 0:
-        raise IndexError(f"kept-set index out of range [0, {v}) in row {bad - 1} of the chunk: "
-                         f"{idx[bad - 1].min().item()}..{idx[bad - 1].max().item()}")
+        raise _out_of_range("kept-set index", idx, bad, v)
     return e, b, p, row
 
 
 def topk_backward_(grad: torch.Tensor, idx: torch.Tensor, e: torch.Tensor, p: torch.Tensor, f_out: torch.Tensor,
                    f_s: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
-    """In place on the held rows `grad` [c, V]: grad *= f_out (per row), then grad[idx] = e f_s - p sc."""
+    """In place on the held rows `grad` [c, V]: grad *= f_out (per row), then grad[idx] = e f_s - p sc. The ids are
+    checked again in C (the caller's tensor could have changed since the forward): IndexError."""
+    if not isinstance(grad, torch.Tensor) or grad.dim() != 2:
+        raise ValueError(f"native kernel: expected an [n, V] gradient, got {getattr(grad, 'shape', grad)!r}")
     n, v = grad.shape
-    k = idx.shape[1]
-    gs, si = _rows(grad, torch.float32, v), _rows(idx, torch.int64, k)
+    k = _ids(idx, n)
+    gs, si = _rows(grad, torch.float32, n, v, written=True), _rows(idx, torch.int64, n, k)
     e, p = e.contiguous(), p.contiguous()
-    f_out, f_s, sc = (t.reshape(n).float().contiguous() for t in (f_out, f_s, sc))
-    kernel().kd_topk_backward(n, v, k, grad.data_ptr(), gs, idx.data_ptr(), si, e.data_ptr(), p.data_ptr(),
-                              f_out.data_ptr(), f_s.data_ptr(), sc.data_ptr(), torch.get_num_threads())
+    _rows(e, torch.float32, n, k), _rows(p, torch.float32, n, k)
+    f_out, f_s, sc = (_vector(t, n) for t in (f_out, f_s, sc))
+    bad = kernel().kd_topk_backward(n, v, k, grad.data_ptr(), gs, idx.data_ptr(), si, e.data_ptr(), p.data_ptr(),
+                                    f_out.data_ptr(), f_s.data_ptr(), sc.data_ptr(), torch.get_num_threads())
+    if bad > 0:
+        raise _out_of_range("kept-set index", idx, bad, v)
     return grad
 
 
 def sampled_forward(z: torch.Tensor, ids: torch.Tensor, temperature: float):
-    """(lse [n], picked [n, S]) of sampled KD (see _native.c): the log-sum-exp of z / T and z / T at the ids."""
+    """(centre [n], lse [n], picked [n, S]) of sampled KD (see _native.c): the row max, the log-sum-exp of
+    (z - centre) / T and (z - centre) / T at the ids. An id outside [0, V): IndexError."""
+    if not isinstance(z, torch.Tensor) or z.dim() != 2:
+        raise ValueError(f"native kernel: expected [n, V] logits, got {getattr(z, 'shape', z)!r}")
     n, v = z.shape
-    k = ids.shape[1]
-    zs, si = _rows(z, torch.float32, v), _rows(ids, torch.int64, k)
+    k = _ids(ids, n)
+    inv_t = _temperature(temperature)
+    zs, si = _rows(z, torch.float32, n, v), _rows(ids, torch.int64, n, k)
+    centre = torch.empty(n, dtype=torch.float32)
     lse = torch.empty(n, dtype=torch.float32)
     picked = torch.empty(n, k, dtype=torch.float32)
-    bad = kernel().kd_sampled_forward(n, v, k, z.data_ptr(), zs, ids.data_ptr(), si, 1.0 / temperature,
+    bad = kernel().kd_sampled_forward(n, v, k, z.data_ptr(), zs, ids.data_ptr(), si, inv_t, centre.data_ptr(),
                                       lse.data_ptr(), picked.data_ptr(), torch.get_num_threads())
     if bad > 0:
-        raise IndexError(f"sampled id out of range [0, {v}) in row {bad - 1}: "
-                         f"{ids[bad - 1].min().item()}..{ids[bad - 1].max().item()}")
-    return lse, picked
+        raise _out_of_range("sampled id", ids, bad, v)
+    return centre, lse, picked
 
 
-def sampled_backward(z: torch.Tensor, temperature: float, lse: torch.Tensor, coef: torch.Tensor, ids: torch.Tensor,
-                     w_neg: torch.Tensor) -> torch.Tensor:
-    """The gradient [n, V] of sampled KD: exp(z / T - lse) coef, plus w_neg [n, S] added at the ids."""
+def sampled_backward(z: torch.Tensor, temperature: float, centre: torch.Tensor, lse: torch.Tensor,
+                     coef: torch.Tensor, ids: torch.Tensor, w_neg: torch.Tensor) -> torch.Tensor:
+    """The gradient [n, V] of sampled KD: exp((z - centre) / T - lse) coef, plus w_neg [n, S] added at the ids."""
+    if not isinstance(z, torch.Tensor) or z.dim() != 2:
+        raise ValueError(f"native kernel: expected [n, V] logits, got {getattr(z, 'shape', z)!r}")
     n, v = z.shape
-    k = ids.shape[1]
-    zs, si = _rows(z, torch.float32, v), _rows(ids, torch.int64, k)
-    lse, coef, w_neg = lse.float().contiguous(), coef.float().contiguous(), w_neg.float().contiguous()
+    k = _ids(ids, n)
+    inv_t = _temperature(temperature)
+    zs, si = _rows(z, torch.float32, n, v), _rows(ids, torch.int64, n, k)
+    centre, lse, coef = (_vector(t, n) for t in (centre, lse, coef))
+    w_neg = w_neg.float().contiguous()
+    _rows(w_neg, torch.float32, n, k)
     g = torch.empty(n, v, dtype=torch.float32)
-    kernel().kd_sampled_backward(n, v, k, z.data_ptr(), zs, 1.0 / temperature, lse.data_ptr(), coef.data_ptr(),
-                                 ids.data_ptr(), si, w_neg.data_ptr(), g.data_ptr(), v, torch.get_num_threads())
+    bad = kernel().kd_sampled_backward(n, v, k, z.data_ptr(), zs, inv_t, centre.data_ptr(), lse.data_ptr(),
+                                       coef.data_ptr(), ids.data_ptr(), si, w_neg.data_ptr(), g.data_ptr(), v,
+                                       torch.get_num_threads())
+    if bad > 0:
+        raise _out_of_range("sampled id", ids, bad, v)
     return g

@@ -71,12 +71,16 @@ class Shard:
     def global_topk(self, raw: torch.Tensor, k: int, cdtype: torch.dtype, sort: bool):
         """Teacher's global top-k of one chunk: (raw values in cdtype, global indices), sorted descending if `sort`.
 
-        Each rank takes its local top-min(k, local_vocab); the union (all_gather of values and global indices) holds the
-        global top-k, which a second topk extracts. The values stay raw (not divided by T): the caller centres them on
-        the row max first. The full-vocabulary topk runs unsorted (a quarter cheaper on CPU); only the k winners get
-        sorted.
+        Ties: among equal values the lower global id wins, for the set (at the k-th value) and for the order, on
+        every TP size and in the cache writer alike (teacher_topk_record calls this), so a cached loss keeps the
+        entries the online loss keeps (torch.topk alone leaves ties in any order).
+
+        Each rank takes its local top-min(k, local_vocab) (lowest ids at a tie: a global winner is a local one); the
+        union (all_gather of values and global indices) holds the global top-k, which a sort by (value, id)
+        extracts. The values stay raw (not divided by T): the caller centres them on the row max first. The
+        full-vocabulary topk runs unsorted (a quarter cheaper on CPU); only the k winners get sorted.
         """
-        lv, li = torch.topk(raw, min(k, self.local_vocab), dim=-1, sorted=False)
+        lv, li = _topk_lowest_ids(raw, min(k, self.local_vocab))
         lv = lv.to(cdtype)
         if self.world == 1:
             return _sorted(lv, li) if sort else (lv, li)
@@ -87,14 +91,14 @@ class Shard:
         if packed.shape[1] < width:
             pad = packed.new_zeros(packed.shape[0], width - packed.shape[1], 2)
             pad[..., 0] = -float("inf")
+            pad[..., 1] = float(self.vocab)  # after every real id at a -inf tie
             packed = torch.cat([packed, pad], dim=1)
         packed = packed.contiguous()
         parts = [torch.empty_like(packed) for _ in range(self.world)]
         dist.all_gather(parts, packed, group=self.group)
         union = torch.cat(parts, dim=1)
-        vals, pos = torch.topk(union[..., 0], k, dim=-1, sorted=sort)
-        gidx = union[..., 1].gather(1, pos).long()
-        return vals.to(cdtype), gidx
+        vals, gidx = _sorted(union[..., 0], union[..., 1].long())
+        return vals[:, :k].to(cdtype), gidx[:, :k].contiguous()
 
     def local_index(self, gidx: torch.Tensor, keep: torch.Tensor | None = None):
         """(local column or `local_vocab` (a scratch column) where not owned / not kept, owned mask). Without TP every
@@ -110,6 +114,48 @@ class Shard:
         return torch.where(owned, lidx, torch.full_like(lidx, self.local_vocab)), owned
 
 
+def _topk_lowest_ids(x: torch.Tensor, k: int):
+    """torch.topk(x, k, sorted=False) with ties at the k-th value resolved to the lowest ids. The top k + 1 (the same
+    one pass over the vocabulary) tell where a tie straddles the boundary: their two smallest values are equal. Other
+    rows drop their smallest; those rows (rare: equal logits) are re-selected exactly (every entry above the k-th
+    value, then the lowest ids equal to it)."""
+    if k >= x.shape[-1] or x.shape[0] == 0:
+        return torch.topk(x, k, dim=-1, sorted=False)
+    vals, idx = torch.topk(x, k + 1, dim=-1, sorted=False)
+    low = torch.topk(vals, 2, dim=-1, largest=False)  # [c, 2], ascending: the (k+1)-th and the k-th value
+    # drop the (k+1)-th: move the last column into its place, then cut the last column off
+    pos = low.indices[:, :1]
+    vals.scatter_(1, pos, vals[:, k:].clone())
+    idx.scatter_(1, pos, idx[:, k:].clone())
+    vals, idx = vals[:, :k], idx[:, :k]
+    fix = low.values[:, 0] == low.values[:, 1]
+    if not bool(fix.any()):
+        return vals, idx
+    rows = fix.nonzero()[:, 0]
+    xb, tb = x[rows], low.values[rows, :1]
+    above, eq = xb > tb, xb == tb
+    room = k - above.sum(1, keepdim=True)  # > 0: the k-th value ties with the (k+1)-th
+    take = above | (eq & (eq.cumsum(1) <= room))  # exactly k per row
+    ib = take.nonzero()[:, 1].view(-1, k)  # ascending ids
+    vals[rows], idx[rows] = xb.gather(1, ib), ib
+    return vals, idx
+
+
 def _sorted(vals: torch.Tensor, idx: torch.Tensor):
-    vals, order = torch.sort(vals, dim=-1, descending=True)
+    """(vals, idx) ordered by value descending, then id ascending (the tie rule of global_topk): ids sorted first,
+    then a stable sort by value."""
+    idx, by_id = torch.sort(idx, dim=-1)
+    vals, order = torch.sort(vals.gather(-1, by_id), dim=-1, descending=True, stable=True)
     return vals, idx.gather(-1, order)
+
+
+def check_ids(ids: torch.Tensor, vocab: int, what: str) -> None:
+    """Integer ids in [0, vocab) (the global vocabulary): IndexError naming the first bad one (a gather or the CPU
+    kernel would otherwise read outside the logits). One reduction over [n, S] and a host sync."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"ids must be an integer tensor, got {ids.dtype}")
+    out = (ids < 0) | (ids >= vocab)
+    if ids.numel() and bool(out.any()):
+        r, j = (int(i) for i in out.nonzero()[0])
+        raise IndexError(f"{what} {ids[r, j].item()} in row {r} (slot {j}) out of range [0, {vocab}) (the "
+                         "student's vocabulary)")

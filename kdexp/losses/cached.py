@@ -13,8 +13,10 @@ top_k <= k_max, top_p / min_k, ghost on/off, divergence and a cached temperature
 ones up to float rounding. The teacher residual outside the kept set S (top_k prefix, then the nucleus cut) is
     logsumexp(lse_rest, kept-set candidates cut by the nucleus, entries k..k_max) - lse
 a sum of positive terms: accurate when the kept mass is within 1e-7 of 1, where 1 - sum(exp(kept)) (Megatron-LM's
-cached_logits_loss) has lost every digit. Dense KD and a nucleus not bounded by loss.top_k cannot be served from a
-top-k_max cache: ValueError.
+cached_logits_loss) has lost every digit. A true nucleus (top_p without top_k) is served when every token's nucleus
+lies within its cached top-k_max: the stored lse_rest gives the cached mass, which must reach top_p; the cut is then
+the online one over the same sorted entries (ties by id in both). Otherwise, and for dense KD: ValueError (naming
+how many tokens overflow and a lower bound on the k_max that would serve them).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from kdexp.losses._shard import Shard
+from kdexp.losses._shard import Shard, check_ids
 from kdexp.losses.logits import (_chunk_rows, _LogitsKD, _load_, _mask_at_, _masked_lse_, _scaled, _shaped, check_labels,
                                  make_cfg)
 
@@ -106,8 +108,8 @@ def cached_kd_loss(
 ):
     """`logits_kd_loss` (same keywords, same result, `labels` included) with the teacher given by a cached record at `temperature`:
     values/indices [..., K_max] as `teacher_topk_record` gives them (any float dtype for values: a compact cache's
-    bf16/fp16 is widened here), lse/lse_rest [...] the record's log-sum-exps AT THIS temperature. top_k (<= K_max) is
-    required: the cache holds only the teacher's top-K_max."""
+    bf16/fp16 is widened here), lse/lse_rest [...] the record's log-sum-exps AT THIS temperature. top_k <= K_max, or
+    top_k=None with a nucleus (top_p < 1) that fits in every token's cached top-K_max (else ValueError)."""
     if not isinstance(student_logits, torch.Tensor) or student_logits.dim() < 1:
         raise ValueError("student_logits must be a tensor with a vocabulary dimension")
     lead = student_logits.shape[:-1]
@@ -117,9 +119,12 @@ def cached_kd_loss(
         if tuple(t.shape) != tuple(shape):
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} (student_logits "
                              f"{tuple(student_logits.shape)}, K_max {k_max})")
-    if top_k is None:
-        raise ValueError("top_k=None is invalid with a cached teacher: the cache holds only the teacher's top-"
-                         f"{k_max}, so dense KD or an unbounded nucleus cannot be served; set top_k in [1, {k_max}]")
+    if top_k is None and (top_p is None or (isinstance(top_p, (int, float)) and float(top_p) == 1.0)):
+        raise ValueError("top_k=None without a nucleus cut (top_p < 1) is invalid with a cached teacher: the cache "
+                         f"holds only the teacher's top-{k_max}, so dense KD cannot be served; set top_k in "
+                         f"[1, {k_max}] or top_p")
+    if top_k is None and isinstance(min_k, int) and min_k > k_max:
+        raise ValueError(f"min_k={min_k} is invalid: must be in [1, the cached K_max={k_max}]")
     if not isinstance(top_k, bool) and isinstance(top_k, int) and top_k > k_max:
         raise ValueError(f"top_k={top_k} is invalid: must be in [1, the cached K_max={k_max}]")
     local_vocab = student_logits.shape[-1]
@@ -128,13 +133,18 @@ def cached_kd_loss(
                    ghost_token=ghost_token, normalization=normalization, divergence=divergence, beta=beta,
                    scale_by_temperature_squared=scale_by_temperature_squared, chunk_tokens=chunk_tokens)
     v = values.reshape(-1, k_max)
+    check_ids(indices.reshape(-1, k_max), shard.vocab, "cached teacher id")
     ix = indices.reshape(-1, k_max).long()
     lz = lse.reshape(-1)
     lr = lse_rest.reshape(-1)
+    nucleus = cfg.top_k is None  # a true nucleus (top_p set, no top_k): served from the K_max entries if it fits
+    k = k_max if nucleus else top_k
+    if nucleus:
+        check_nucleus_fits(v, lz, lr, cfg.top_p, cfg.temperature, shard.vocab)
 
     def teacher_side(r: slice, cd: torch.dtype):
         vals = _scaled(v[r].to(cd), cfg.temperature)  # already centred on the top-1
-        kept_vals, tail = vals[:, :top_k], vals[:, top_k:]
+        kept_vals, tail = vals[:, :k], vals[:, k:]
         z = lz[r].to(cd)
         a = kept_vals - z[:, None]
         # log-sum-exps of what is not kept: beyond K_max, entries k..K_max (none when top_k = K_max)
@@ -143,13 +153,41 @@ def cached_kd_loss(
         if cfg.top_p is not None:  # the online cut: float64 cumsum over the sorted candidates, min-K floor
             p = a.double().exp()
             cum = p.cumsum(1)
-            keep = (cum - p < cfg.top_p) | (torch.arange(top_k, device=a.device) < cfg.min_k)
+            keep = (cum - p < cfg.top_p) | (torch.arange(k, device=a.device) < cfg.min_k)
             outside.append(torch.where(keep, torch.full_like(kept_vals, -math.inf), kept_vals))
         # one column (top_k = K_max, no cut): the log-sum-exp is that column (no cat, no reduction)
         lr_t = (outside[0][:, 0] if len(outside) == 1 else torch.logsumexp(torch.cat(outside, 1), 1)) - z
-        return ix[r, :top_k], keep, a, lr_t
+        if nucleus and keep.shape[0]:  # keep is a prefix: drop the columns no token keeps (as the online nucleus)
+            kk = int(keep.sum(1).max())
+            return ix[r, :kk], keep[:, :kk], a[:, :kk], lr_t
+        return ix[r, :k], keep, a, lr_t
 
     stats: dict | None = {} if return_stats else None
     out = _LogitsKD.apply(student_logits.reshape(-1, local_vocab), student_logits.new_empty(0), cfg, shard, stats,
                           teacher_side, check_labels(labels, cfg, student_logits))
     return _shaped(out, stats, lead)
+
+
+def check_nucleus_fits(values: torch.Tensor, lse: torch.Tensor, lse_rest: torch.Tensor, top_p: float,
+                       temperature: float, vocab: int) -> None:
+    """ValueError unless every token's nucleus lies within its cached top-K_max: the cached mass, 1 - exp(lse_rest -
+    lse) from the stored log-sum-exps (O(1) per token), must reach top_p, since the nucleus keeps the next entry iff
+    the mass before it is below top_p. The message names how many tokens overflow and a K_max that might serve them:
+    a lower bound, since an entry beyond K_max has at most the probability of the last cached one (the cache knows
+    no more of the rest than its total)."""
+    n, k_max = values.shape
+    if n == 0 or k_max >= vocab:
+        return
+    lz = lse.double()
+    mass = -torch.expm1(lse_rest.double() - lz)  # the cached top-K_max's share of the teacher's mass
+    short = mass < top_p
+    count = int(short.sum())
+    if not count:
+        return
+    last = (values[short, -1].double() / temperature - lz[short]).exp()  # the smallest cached probability
+    need = k_max + torch.ceil((top_p - mass[short]) / last.clamp_min(1e-300))
+    at_least = int(min(vocab, need.max().item())) if bool(torch.isfinite(need).all()) else vocab
+    raise ValueError(f"the nucleus top_p={top_p} does not fit in the cached top-{k_max} for {count} of {n} tokens "
+                     f"(their cached mass is below top_p, down to {float(mass[short].min()):.4g}): a cache with "
+                     f"teacher.k_max >= {at_least} (a lower bound) might serve them, or bound the nucleus with "
+                     f"loss.top_k <= {k_max}, or use teacher=online")

@@ -6,7 +6,9 @@ Two shapes of input:
 - `dense_forward_` / `dense_backward_`: the whole (local shard of the) vocabulary of one chunk, computed in place on
   scratch buffers so that no extra full-vocabulary copies are made.
 
-Conventions: `a` = teacher log-probs, `b` = student log-probs, p = exp(a), q = exp(b).
+Conventions: `a` = teacher log-probs, `b` = student log-probs, p = exp(a), q = exp(b); 0 log 0 = 0 (a -inf log-prob,
+a masked or padded vocabulary entry, adds exactly 0 where its probability weighs the term, +inf where the other
+distribution's does: KL with mass where the other has none).
   forward_kl  L = sum p (a - b)                      dL/db = -p
   reverse_kl  L = sum q (b - a)                      dL/db = q (b - a + 1)
   jsd(beta)   m = log(beta p + (1 - beta) q)
@@ -23,10 +25,19 @@ import math
 import torch
 
 
+def _xd(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x * d with 0 where x == 0: the 0 log 0 = 0 convention. A -inf log-prob (a masked or padded vocabulary entry,
+    probability exactly 0) makes d infinite or NaN, and 0 * inf is NaN; where x > 0 an infinite d stays infinite
+    (mass where the other distribution has none: the divergence is +inf)."""
+    return torch.where(x == 0, torch.zeros((), dtype=d.dtype, device=d.device), x * d)
+
+
 def bucket_divergence(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor | None, divergence: str, beta: float):
     """Per-token divergence over buckets and dL/db. a, b: [c, B] log-probs; valid: [c, B] bool, or None when every
     bucket is valid (no masking passes). Invalid buckets (not kept, or an empty ghost) contribute exactly zero to the
-    loss and to the gradient. The divergence is a sum of per-bucket terms: buckets may be split over calls."""
+    loss and to the gradient; so does a bucket whose probability is 0 in the distribution that weighs it (0 log 0 =
+    0: a -inf log-prob is exact, not NaN). The divergence is a sum of per-bucket terms: buckets may be split over
+    calls."""
     if valid is None:
         a0, b0, w = a, b, None
     else:
@@ -40,23 +51,23 @@ def bucket_divergence(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor | No
 
     if divergence == "forward_kl":
         p = masked(a0.exp())
-        return (p * (a0 - b0)).sum(-1), -p
+        return _xd(p, a0 - b0).sum(-1), -p
     if divergence == "reverse_kl":
         q = masked(b0.exp())
         d = b0 - a0
-        return (q * d).sum(-1), q * (d + 1.0)
+        return _xd(q, d).sum(-1), _xd(q, d + 1.0)
     p = masked(a0.exp())
     q = masked(b0.exp())
     m = torch.logaddexp(a0 + math.log(beta), b0 + math.log1p(-beta))
-    qbm = q * (b0 - m)
-    loss = beta * (p * (a0 - m)).sum(-1) + (1.0 - beta) * qbm.sum(-1)
+    qbm = _xd(q, b0 - m)
+    loss = beta * _xd(p, a0 - m).sum(-1) + (1.0 - beta) * qbm.sum(-1)
     return loss, (1.0 - beta) * qbm
 
 
-def _rowdot_(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """sum(x * y, -1) per row, overwriting x: no [c, V] temporary, and torch.sum's cascade summation (a BLAS dot
-    accumulates 150k float32 terms far less accurately)."""
-    return x.mul_(y).sum(-1)
+def _xlogdot_(d: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """sum(x * d, -1) per row with 0 where x == 0 (0 log 0 = 0; see _xd), overwriting d: no [c, V] temporary, and
+    torch.sum's cascade summation (a BLAS dot accumulates 150k float32 terms far less accurately)."""
+    return d.masked_fill_(x == 0, 0.0).mul_(x).sum(-1)
 
 
 def dense_forward_(a: torch.Tensor, b: torch.Tensor, divergence: str, beta: float):
@@ -68,16 +79,16 @@ def dense_forward_(a: torch.Tensor, b: torch.Tensor, divergence: str, beta: floa
     out = a.new_zeros(a.shape[0], 2)
     if divergence == "forward_kl":
         d = torch.sub(a, b, out=b)
-        out[:, 0] = _rowdot_(a.exp_(), d)
+        out[:, 0] = _xlogdot_(d, a.exp_())
     elif divergence == "reverse_kl":
         d = torch.sub(b, a, out=a)
-        out[:, 0] = _rowdot_(b.exp_(), d)
+        out[:, 0] = _xlogdot_(d, b.exp_())
     else:
         m = torch.logaddexp(a + math.log(beta), b + math.log1p(-beta))
         t = a - m
-        out[:, 0] = beta * _rowdot_(t, a.exp_())
+        out[:, 0] = beta * _xlogdot_(t, a.exp_())
         torch.sub(b, m, out=t)
-        kqm = _rowdot_(t, b.exp_())
+        kqm = _xlogdot_(t, b.exp_())
         out[:, 0] += (1.0 - beta) * kqm
         out[:, 1] = kqm
     return out
@@ -93,7 +104,9 @@ def dense_backward_(a: torch.Tensor, b: torch.Tensor, loss, aux, divergence: str
         return b.exp_().sub_(a.exp_())
     if divergence == "reverse_kl":
         a.neg_().add_(b).sub_(loss[:, None])  # b - a - L
-        return b.exp_().mul_(a)
+        q = b.exp_()
+        return q.mul_(a.masked_fill_(q == 0, 0.0))  # q = 0: no gradient (0 * inf where both are -inf)
     m = torch.logaddexp(a + math.log(beta), b + math.log1p(-beta))
     m.neg_().add_(b).sub_(aux[:, None])  # b - m - K
-    return b.exp_().mul_(m).mul_(1.0 - beta)
+    q = b.exp_()
+    return q.mul_(m.masked_fill_(q == 0, 0.0)).mul_(1.0 - beta)

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from kdexp.losses import _native
 from kdexp.losses._shard import Shard
 from kdexp.rules import is_int
-from kdexp.losses.divergence import _rowdot_, bucket_divergence, dense_backward_, dense_forward_
+from kdexp.losses.divergence import _xlogdot_, bucket_divergence, dense_backward_, dense_forward_
 from kdexp.losses.options import KDLossOptions
 # Top-P without a Top-K bound starts from this many candidates and grows x4 until the nucleus fits.
 TOP_P_INITIAL_K = 1024
@@ -102,8 +102,8 @@ def _check_int(name, value):
 def _check_tensors(student, teacher):
     if not isinstance(student, torch.Tensor) or not isinstance(teacher, torch.Tensor):
         raise ValueError("student_logits and teacher_logits must be tensors")
-    if student.dim() < 1:
-        raise ValueError("student_logits must have a vocabulary dimension (got a 0-d tensor)")
+    if student.dim() < 1 or student.shape[-1] < 1:
+        raise ValueError(f"student_logits must have a vocabulary dimension of size >= 1, got {tuple(student.shape)}")
     if student.shape[-1] != teacher.shape[-1]:
         raise ValueError(
             f"student/teacher vocabulary mismatch: student_logits has vocabulary size {student.shape[-1]}, "
@@ -227,6 +227,8 @@ def _compute_dtype(student: torch.Tensor) -> torch.dtype:
 
 
 def _chunk_rows(n: int, shard: Shard, cdtype: torch.dtype, chunk_tokens: int | None) -> int:
+    if n == 0:  # no tokens: no chunk (the loss is an empty per-token tensor, its gradient empty)
+        return 1
     if chunk_tokens is not None:
         return max(1, min(n, chunk_tokens))
     row = (shard.max_local_vocab + 1) * torch.finfo(cdtype).bits // 8
@@ -398,7 +400,7 @@ class _LogitsKD(torch.autograd.Function):
                     _native.serves(student, held):
                 # From a cache on the CPU kernel: no [rows, V] eager pass is left to keep in cache, so one chunk of
                 # up to 64 MiB of K-wide values runs the per-row glue once instead of once per chunk
-                rows = ctx.rows = min(n, max(rows, _native.CHUNK_BYTES // (16 * (cfg.top_k + 1))))
+                rows = ctx.rows = max(1, min(n, max(rows, _native.CHUNK_BYTES // (16 * (cfg.top_k + 1)))))
             buf = torch.empty(rows, vl + 1, dtype=cd, device=dev) if held is None else None
             chunks = []
             label = None if labels is None else _Labels.make(labels, vl, shard, dev)
@@ -420,15 +422,18 @@ class _LogitsKD(torch.autograd.Function):
                     for f in KDStats._fields:
                         st[f][r] = out[f]
             ctx.held = held
-            ctx.save_for_backward(student)
-            ctx.chunks, ctx.label = chunks, label
+            # The kept ids go through save_for_backward: a cached record's ids are the caller's tensor, and autograd's
+            # version check refuses a backward after they changed in place (the CPU kernel checks them again)
+            ctx.save_for_backward(student, *(c[1] for c in chunks))
+            ctx.chunks, ctx.label = [c[:1] + c[2:] for c in chunks], label
         if st is not None:
             stats.update({f: (v.long() if f == "nucleus_size" else v) for f, v in st.items()})
-        if dense or cfg.ghost or cfg.renormalize:
-            # Between two proper distributions every divergence here is >= 0; float32 rounding of the log-probs
-            # (~1e-7 absolute) can land a near-converged value just below. Clamping the value moves it towards the
-            # exact one; the gradient (computed in backward from the unclamped terms) is unchanged. Without the ghost
-            # bucket the kept sub-distributions can give a negative value in exact arithmetic: left as it is.
+        if dense or cfg.ghost or cfg.renormalize or cfg.divergence == "jsd":
+            # Between two proper distributions every divergence here is >= 0, and the JSD is >= 0 bucket by bucket
+            # (log-sum inequality), so over any kept set; float32 rounding of the log-probs (~1e-7 absolute) can land
+            # a near-converged value just below. Clamping the value moves it towards the exact one; the gradient
+            # (computed in backward from the unclamped terms) is unchanged. Without the ghost bucket the kept
+            # sub-distributions of a KL can give a negative value in exact arithmetic: left as it is.
             loss.clamp_min_(0.0)
         if cfg.loss_scale != 1.0:
             loss.mul_(cfg.loss_scale)
@@ -468,7 +473,7 @@ class _LogitsKD(torch.autograd.Function):
         # The fused LM loss adds q - onehot(label) (T = 1): outside S q = exp(s - centre - lse_notS) r_s, the KD
         # term's own factor times the student residual; on S the kept probabilities q saved by the forward.
         gl = None if label is None else torch.where(label.valid, grad_lm.reshape(-1).to(cd), 0.0)
-        for r, gidx, keep, cand_grad, coef, centre, q, exp_sum in ctx.chunks:
+        for gidx, (r, keep, cand_grad, coef, centre, q, exp_sum) in zip(ctx.saved_tensors[1:], ctx.chunks):
             c = r.stop - r.start
             lidx, owned = shard.local_index(gidx, keep)
             # Straight into the gradient when every candidate is a column of it (no TP, no nucleus cut) and it has
@@ -668,12 +673,13 @@ def _student_side(student, buf, cfg: _Cfg, shard: Shard, cd, want_stats: bool, g
             loss = kl
         elif fkl:
             p = a.exp()
-            loss = _rowdot_(a.sub_(b), p)  # a is the teacher side's own copy, not read after this
+            loss = _xlogdot_(a.sub_(b), p)  # a is the teacher side's own copy, not read after this
         else:
             loss, g = bucket_divergence(a_kept, b, keep, cfg.divergence, cfg.beta)
-        if cfg.ghost:  # the ghost bucket: its term of the same sum (invalid where lr_t is -inf: S is everything)
-            ghost, h = bucket_divergence(lr_t[:, None], lr_s[:, None], torch.isfinite(lr_t)[:, None],
-                                         cfg.divergence, cfg.beta)
+        if cfg.ghost:  # the ghost bucket: its term of the same sum. An empty one (S is everything, or the rest is
+            # -inf: a masked vocabulary) adds 0 by the 0 log 0 convention; the student's mass there against an empty
+            # teacher bucket is +inf in reverse KL, as in the dense loss
+            ghost, h = bucket_divergence(lr_t[:, None], lr_s[:, None], None, cfg.divergence, cfg.beta)
             loss, h = loss + ghost, h[:, 0]
         else:
             h = torch.zeros_like(loss)

@@ -35,14 +35,16 @@ the vocabulary per token, a searchsorted per draw.
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
 
 from kdexp.losses import _native
-from kdexp.losses._shard import Shard
+from kdexp.losses._shard import Shard, check_ids
 from kdexp.losses.logits import _Labels, _lse_, _load_, check_label_shape
 from kdexp.losses.options import KDLossOptions
+from kdexp.rules import is_real
 
 _CHUNK_BYTES = 64 << 20  # scratch per chunk of rows (float64 cumsum when sampling, float32 softmax in backward)
 
@@ -101,8 +103,8 @@ def draw_teacher(teacher_logits: torch.Tensor, *, samples: int, proposal_tempera
         raise ValueError(f"samples must be an integer >= 1, got {samples!r}")
     temps = [float(t) for t in temperatures]
     for name, v in (("proposal_temperature", proposal_temperature), *(("temperature", t) for t in temps)):
-        if not v > 0:
-            raise ValueError(f"{name} must be > 0, got {v!r}")
+        if not (is_real(v) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
     if not temps:
         raise ValueError("temperatures must list at least one temperature")
     lead = teacher_logits.shape[:-1]
@@ -222,33 +224,39 @@ class _SparseCE(torch.autograd.Function):
         z2 = z.reshape(-1, z.shape[-1])
         n, vl = z2.shape
         shard = Shard.make(vl, tp_group, z.device)
-        ids2 = ids.reshape(n, -1)
-        w2 = weights.reshape(n, -1).to(cdtype)
+        ids2 = ids.reshape(n, ids.shape[-1])
+        check_ids(ids2, shard.vocab, "sampled id")
+        w2 = weights.reshape(n, ids.shape[-1]).to(cdtype)
         lidx, owned = shard.local_index(ids2)
         gather_idx = lidx if owned is None else lidx.clamp(max=vl - 1)
         rows = _rows((vl + 1) * torch.finfo(cdtype).bits // 8, n)
         label = None if labels is None else _Labels.make(labels, vl, shard, z.device)
         lm = None if labels is None else torch.zeros(n, dtype=cdtype, device=z.device)
         native = shard.world == 1 and _native.serves(z2, sampled=True)
+        # Everything centred on the row max (global under TP), as the logit losses are: log s = picked - lse from
+        # logits around 300 would otherwise carry an error of one ulp of 300 (3e-5), the size of a converged loss.
         if native:  # the CPU kernel: one reduction pass per row, no [rows, V] buffer
-            lse, picked = _native.sampled_forward(z2, gather_idx, temperature)
-            if label is not None:  # -log q(label) = lse - z[label] (T = 1)
-                lm = torch.where(label.owned, lse - z2.gather(1, label.local[:, None])[:, 0], 0.0)
+            centre, lse, picked = _native.sampled_forward(z2, gather_idx, temperature)
+            if label is not None:  # -log q(label) = lse - (z[label] - centre) (T = 1)
+                lm = torch.where(label.owned, lse - (z2.gather(1, label.local[:, None])[:, 0] - centre), 0.0)
         else:
+            centre = torch.empty(n, dtype=cdtype, device=z.device)
             lse = torch.empty(n, dtype=cdtype, device=z.device)
             picked = torch.empty_like(w2)
             buf = torch.empty(rows, vl + 1, dtype=cdtype, device=z.device)
             raw = temperature == 1.0 and z2.dtype == cdtype  # z itself is z / T: log-softmax it straight into buf
             for lo in range(0, n, rows):
                 hi = min(n, lo + rows)
+                c = centre[lo:hi] = shard.row_max(z2[lo:hi], cdtype)
                 # z / T: the logits themselves (read, not consumed: the log-softmax goes to a contiguous [c, V] view
                 # of the buffer, since given the buffer's [c, :V] slice, with its V+1 row stride, the out= kernel
-                # restrides it to contiguous), else a copy in the buffer (consumed in place; its scratch column is
-                # -inf)
-                x = z2[lo:hi] if raw else _load_(buf[: hi - lo], z2[lo:hi], temperature, None)[0]
-                picked[lo:hi] = x.gather(1, gather_idx[lo:hi])
+                # restrides it to contiguous), else (z - centre) / T in the buffer (consumed in place; its scratch
+                # column is -inf). At T = 1 the centre is left to take off (`offset`), exactly, after the gathers.
+                x, offset = (z2[lo:hi], c) if raw else _load_(buf[: hi - lo], z2[lo:hi], temperature, c)
+                got = x.gather(1, gather_idx[lo:hi])
+                picked[lo:hi] = got if offset is None else got.to(cdtype) - offset[:, None]
                 into = buf.view(-1)[: (hi - lo) * vl].view(hi - lo, vl) if raw else None
-                lse_g, lse_l, logp = _lse_(x, shard, into=into)
+                lse_g, lse_l, logp = _lse_(x, shard, offset, into=into)
                 lse[lo:hi] = lse_g
                 if label is not None:  # -log q(label) (T = 1) from the fused log-softmax, as megatron's; owner only
                     lp = logp.gather(1, label.local[lo:hi, None])[:, 0]
@@ -256,9 +264,11 @@ class _SparseCE(torch.autograd.Function):
         if owned is not None:  # each id's student logit / T from the rank that owns it
             shard.all_reduce_(picked.masked_fill_(~owned, 0.0))
         log_s = picked - lse[:, None]
-        target = teacher_logprobs.reshape(n, -1).to(cdtype) if teacher_logprobs is not None else 0.0
-        loss = (w2 * (target - log_s)).sum(1) * scale
-        ctx.save_for_backward(z2, lidx, w2, lse)
+        target = teacher_logprobs.reshape(n, ids.shape[-1]).to(cdtype) if teacher_logprobs is not None else 0.0
+        # 0 log 0 = 0: an unused slot (weight 0) adds nothing, whatever its log-probs (a -inf teacher entry)
+        terms = w2 * (target - log_s)
+        loss = torch.where(w2 == 0, 0.0, terms).sum(1) * scale
+        ctx.save_for_backward(z2, lidx, w2, lse, centre)  # lidx: the caller's ids; autograd checks their version
         ctx.temperature, ctx.scale, ctx.shape, ctx.rows, ctx.label = temperature, scale, z.shape, rows, label
         ctx.world, ctx.native = shard.world, native
         if label is None:
@@ -267,7 +277,7 @@ class _SparseCE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_lm=None):
-        z2, lidx, w2, lse = ctx.saved_tensors
+        z2, lidx, w2, lse, centre = ctx.saved_tensors
         n, vl = z2.shape
         label = ctx.label
         go = grad_out.reshape(n).to(w2.dtype) * (ctx.scale / ctx.temperature)
@@ -278,7 +288,7 @@ class _SparseCE(torch.autograd.Function):
             gl_owned = torch.where(label.owned, -gl, 0.0)
         w_go = w2 * go[:, None]  # ids not on this rank index the scratch column: no mask needed
         if ctx.native:  # the CPU kernel: softmax scaled and the weights added in one pass per row
-            grad = _native.sampled_backward(z2, ctx.temperature, lse, coef, lidx, w_go.neg())
+            grad = _native.sampled_backward(z2, ctx.temperature, centre, lse, coef, lidx, w_go.neg())
             if label is not None:
                 grad.scatter_add_(1, label.local[:, None], gl_owned[:, None])
             return grad.reshape(ctx.shape), None, None, None, None, None, None, None
@@ -288,17 +298,20 @@ class _SparseCE(torch.autograd.Function):
         # through a buffer whose last column takes the ids of other ranks.
         direct = ctx.world == 1 and grad.dtype == w2.dtype
         buf = None if direct else torch.empty(rows, vl + 1, dtype=w2.dtype, device=z2.device)
+        # softmax = exp((z - centre) / T) * exp(-lse): the centred exps are <= 1 and lse >= 0 (the centre is a
+        # term), so neither factor overflows, and exp(-lse) joins the per-row scale (no pass of its own)
+        coef = coef * (-lse).exp()
         for lo in range(0, n, rows):
             hi = min(n, lo + rows)
+            c = centre[lo:hi, None]
             if direct:
-                x = grad[lo:hi]
-                if ctx.temperature == 1.0:
-                    torch.sub(z2[lo:hi], lse[lo:hi, None], out=x)
-                else:
-                    torch.div(z2[lo:hi], ctx.temperature, out=x).sub_(lse[lo:hi, None])
+                x = torch.sub(z2[lo:hi], c, out=grad[lo:hi])
+                if ctx.temperature != 1.0:
+                    x.div_(ctx.temperature)
             else:
-                x, _ = _load_(buf[: hi - lo], z2[lo:hi], ctx.temperature, None)
-                x.sub_(lse[lo:hi, None])
+                x = _load_(buf[: hi - lo], z2[lo:hi], ctx.temperature, centre[lo:hi])[0]
+                if ctx.temperature == 1.0:  # _load_ left the raw logits (the centre was its offset)
+                    x[:, :vl].sub_(c)
             x.exp_().mul_(coef[lo:hi, None])  # the student softmax, scaled
             x.scatter_add_(1, lidx[lo:hi], w_go[lo:hi].neg())
             if label is not None:
@@ -319,13 +332,19 @@ def sampled_kd_loss(student_logits: torch.Tensor, ids: torch.Tensor, weights: to
     cross-entropy -sum w log s; the gradient is the same either way. labels [...] (T = 1 only): also the per-token
     LM cross-entropy from the same log-softmax (kdexp.losses.logits_kd_loss's `labels`): returns (kd, lm).
     """
+    if not all(isinstance(t, torch.Tensor) for t in (student_logits, ids, weights)) or student_logits.dim() < 1 or \
+            ids.dim() < 1 or not student_logits.is_floating_point() or not weights.is_floating_point():
+        raise ValueError("student_logits [..., V] and weights [..., S] must be floating-point tensors, ids [..., S] "
+                         "an integer tensor")
     if ids.shape != weights.shape or ids.shape[:-1] != student_logits.shape[:-1]:
         raise ValueError(f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must be [..., S] over the "
                          f"student's tokens {tuple(student_logits.shape[:-1])}")
     if teacher_logprobs is not None and teacher_logprobs.shape != ids.shape:
         raise ValueError(f"teacher_logprobs {tuple(teacher_logprobs.shape)} must match ids {tuple(ids.shape)}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    if ids.shape[-1] < 1 or student_logits.shape[-1] < 1:
+        raise ValueError(f"ids need at least one slot per token and the logits a vocabulary, got ids "
+                         f"{tuple(ids.shape)}, logits {tuple(student_logits.shape)}")
+    KDLossOptions(temperature=temperature, scale_by_temperature_squared=scale_by_temperature_squared).check()
     scale = float(temperature) ** 2 if scale_by_temperature_squared else 1.0
     if labels is not None:
         if not KDLossOptions(temperature=temperature).fuses_lm(sampled=True):

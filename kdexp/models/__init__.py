@@ -8,6 +8,9 @@ Trainer use::
     shard = vocab_parallel_logits(model, tokens)                        # [b, s, V/tp] -> KD loss / LM loss
     full = forward_logits(model, tokens)                                # [b, s, V]
     save_hf(model, out_dir, spec)                                       # every rank calls; rank 0 writes
+
+Padded vocabularies (model.vocab_alignment=tokenizer): load_hf(..., vocab_size=, real_vocab=) and
+mask_padded_vocab (kdexp.models.vocab).
 """
 
 import torch
@@ -16,9 +19,11 @@ from kdexp.models.build import (build, capture_hidden, cast, check_tp, forward_l
                                 vocab_parallel_logits)
 from kdexp.models.hf import load_hf, read_config, save_hf
 from kdexp.models.spec import QWEN3_SIZES, Qwen3Spec, get_spec, spec_from_hf, spec_to_hf
+from kdexp.models.vocab import mask_padded_vocab, vocab_alignment
 
 # model.params_dtype names -> torch dtypes (config.validate allows exactly these names)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 __all__ = ["DTYPES", "Qwen3Spec", "QWEN3_SIZES", "get_spec", "spec_from_hf", "spec_to_hf", "build", "capture_hidden",
-           "cast", "check_tp", "transformer_config", "forward_logits", "vocab_parallel_logits", "load_hf", "save_hf", "read_config"]
+           "cast", "check_tp", "transformer_config", "forward_logits", "vocab_parallel_logits", "load_hf", "save_hf", "read_config",
+           "mask_padded_vocab", "vocab_alignment"]

@@ -15,6 +15,7 @@ global rank 0 writes config.json + model.safetensors into a temp dir, then renam
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -67,6 +68,18 @@ class _Checkpoint:
         sl = self._handles[self.weight_map[name]].get_slice(name)
         return sl[start:stop] if start is not None else sl[:]
 
+    def num_rows(self, name: str) -> int:
+        return int(self._handles[self.weight_map[name]].get_slice(name).get_shape()[0])
+
+    def vocab_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of an embedding / LM head; rows past the checkpoint's own are zeros (a vocabulary
+        aligned to a wider one: kdexp.models.vocab)."""
+        have = self.num_rows(name)
+        part = self.rows(name, min(start, have), min(stop, have))
+        if part.shape[0] == stop - start:
+            return part
+        return torch.cat([part, part.new_zeros(stop - start - part.shape[0], *part.shape[1:])])
+
     def cols(self, name: str, start: int, stop: int) -> torch.Tensor:
         return self._handles[self.weight_map[name]].get_slice(name)[:, start:stop]
 
@@ -82,11 +95,11 @@ def _load_tensor(name: str, spec: Qwen3Spec, ckpt: _Checkpoint, rank: int, tp: i
     hd = spec.head_dim
     if name == "embedding.word_embeddings.weight":
         n = spec.vocab_size // tp
-        return ckpt.rows(f"{p}embed_tokens.weight", rank * n, (rank + 1) * n)
+        return ckpt.vocab_rows(f"{p}embed_tokens.weight", rank * n, (rank + 1) * n)
     if name == "output_layer.weight":
         n = spec.vocab_size // tp
         src = "lm_head.weight" if ckpt.has("lm_head.weight") else f"{p}embed_tokens.weight"
-        return ckpt.rows(src, rank * n, (rank + 1) * n)
+        return ckpt.vocab_rows(src, rank * n, (rank + 1) * n)
     if name == "decoder.final_layernorm.weight":
         return ckpt.rows(f"{p}norm.weight")
     m = _LAYER.fullmatch(name)
@@ -127,14 +140,21 @@ def read_config(path) -> dict:
     return json.loads(cfg_path.read_text())
 
 
-def load_hf(path, *, params_dtype=torch.float32, **build_kwargs):
+def load_hf(path, *, params_dtype=torch.float32, vocab_size: Optional[int] = None, real_vocab: Optional[int] = None,
+            **build_kwargs):
     """Build a GPTModel from a local HF Qwen3 checkpoint dir, sharded for the current TP size (reads only its shard).
 
+    `vocab_size`: build it with that many vocabulary rows instead of the checkpoint's (its own rows first, then
+    zeros; kdexp.models.vocab); `real_vocab`: the tokenizer's ids, logits beyond them -inf (mask_padded_vocab).
     `build_kwargs` (recompute, sequence_parallel) go to kdexp.models.build."""
     from megatron.core import parallel_state as ps
 
+    from kdexp.models.vocab import mask_padded_vocab
+
     path = Path(path)
     spec = spec_from_hf(read_config(path))
+    if vocab_size is not None:
+        spec = dataclasses.replace(spec, vocab_size=int(vocab_size))
     model = build(spec, params_dtype=params_dtype, init=False, **build_kwargs)
     rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     ckpt = _Checkpoint(path)
@@ -145,7 +165,7 @@ def load_hf(path, *, params_dtype=torch.float32, **build_kwargs):
                 raise ValueError(f"{path}: {name} has shape {tuple(t.shape)} for this rank, model expects "
                                  f"{tuple(param.shape)}")
             param.copy_(t.to(dtype=param.dtype))
-    return model
+    return model if real_vocab is None else mask_padded_vocab(model, int(real_vocab))
 
 
 def _gather_tp(param: torch.Tensor, tp_group, tp: int) -> torch.Tensor:

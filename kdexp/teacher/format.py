@@ -40,7 +40,9 @@ import torch
 
 from kdexp.losses.sampled import TeacherDraws, step_seed
 
-FORMAT = 1
+# 2: top-K records order tied teacher logits by vocabulary id (the lower id first, as the online loss keeps them);
+# a format-1 cache left ties in torch.topk's order, so its key no longer matches and it is rebuilt
+FORMAT = 2
 MANIFEST = "manifest.json"
 VALUE_DTYPES = ("float32", "bfloat16", "float16")
 _VALUE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

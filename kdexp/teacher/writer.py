@@ -61,8 +61,9 @@ def teacher_identity(cfg, data) -> dict:
     p = Path(cfg.model.teacher_path).expanduser().resolve()
     weights = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in p.iterdir()
                      if f.suffix in (".safetensors", ".bin", ".pt"))
+    aligned = {} if cfg.model.vocab_alignment == "exact" else {"vocab_alignment": cfg.model.vocab_alignment}
     return {"path": str(p), "config": sha256_file(p / "config.json") if (p / "config.json").is_file() else None,
-            "weights": hashlib.sha256(repr(weights).encode()).hexdigest()}
+            "weights": hashlib.sha256(repr(weights).encode()).hexdigest(), **aligned}  # aligned: other logits
 
 
 def layout_for(cfg, data) -> fmt.Layout:

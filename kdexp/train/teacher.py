@@ -110,8 +110,8 @@ def get_teacher(cfg, data) -> torch.nn.Module:
     if assets.uses_shipped_teacher(cfg.model):
         check_shipped()
     checkpoint = assets.teacher_checkpoint(cfg.model)
-    if checkpoint is not None:
-        return freeze(models.load_hf(checkpoint, params_dtype=dtype))
+    if checkpoint is not None:  # model.vocab_alignment=tokenizer: the student's rows, padded ids -inf (models.vocab)
+        return freeze(models.load_hf(checkpoint, params_dtype=dtype, **models.vocab_alignment(cfg, data)))
     path = pretrained_teacher_dir(cfg, data)
     writer = distributed.is_rank0()
     # Global rank 0 holds the cache lock around check-train-save, so parallel jobs on a cold cache pretrain once;

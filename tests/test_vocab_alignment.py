@@ -1,0 +1,147 @@
+"""Padded vocabularies (model.vocab_alignment=tokenizer, kdexp.models.vocab): tiny Hugging Face checkpoints of three
+vocabulary sizes over one 256-id tokenizer (the teacher padded to 320 rows, the student to 288, the unpadded teacher
+at 256), built here. Loaded aligned, the teacher's logits on the real ids are the unpadded teacher's exactly, every
+padded id is -inf in both models, and the KD loss equals the float64 reference on the shared ids; a model with fewer
+rows than the tokenizer has ids, or a mismatch without the option, is a config error naming the fix."""
+import math
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+from _kd_reference import reference_kd
+from _lone_process import lone_process
+from kdexp.config import validate
+from kdexp.losses import logits_kd_loss
+from kdexp.models import load_hf, vocab_parallel_logits
+
+REAL = 256  # the tokenizer's ids
+
+
+def _qwen3(vocab: int, seed: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                      rms_norm_eps=1e-6, max_position_embeddings=4096,
+                      rope_parameters={"rope_theta": 1e6, "rope_type": "default"}, attn_implementation="eager")
+    model = Qwen3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
+    return model
+
+
+def _tokenizer(directory):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {f"w{i}": i for i in range(REAL - 2)} | {"<|endoftext|>": REAL - 2, "<unk>": REAL - 1}
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(directory / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    """teacher (256 rows), the same teacher padded to 320 rows (64 random rows appended), a student of 288 rows and
+    one of 200 (fewer than the tokenizer's ids); each directory holds the tokenizer."""
+    root = tmp_path_factory.mktemp("padded")
+    teacher = _qwen3(REAL, seed=1)
+    padded = _qwen3(320, seed=1)
+    with torch.no_grad():
+        for name, p in teacher.named_parameters():
+            q = dict(padded.named_parameters())[name]
+            if p.shape == q.shape:
+                q.copy_(p)
+            else:  # embed_tokens / lm_head: the real rows, then padding rows of noise
+                q[:REAL].copy_(p)
+                q[REAL:].normal_(0, 1.0)
+    out = {}
+    for name, model in (("teacher", teacher), ("padded", padded), ("student", _qwen3(288, seed=2)),
+                        ("short", _qwen3(200, seed=3))):
+        model.save_pretrained(root / name, safe_serialization=True)
+        _tokenizer(root / name)
+        out[name] = root / name
+    return out
+
+
+@pytest.fixture
+def tp1(monkeypatch):
+    with lone_process(seed=5, monkeypatch=monkeypatch) as state:
+        yield state
+
+
+def test_aligned_teacher_is_exact_on_the_real_ids_and_minus_inf_beyond(tp1, ckpts):
+    ids = torch.randint(0, REAL, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = vocab_parallel_logits(load_hf(ckpts["teacher"]), ids)
+        for which in ("padded", "teacher"):  # 320 rows cut to 288, 256 rows padded to 288
+            got = vocab_parallel_logits(load_hf(ckpts[which], vocab_size=288, real_vocab=REAL), ids)
+            assert got.shape == (2, 16, 288)
+            torch.testing.assert_close(got[..., :REAL], plain, rtol=0, atol=1e-5)
+            assert torch.isneginf(got[..., REAL:]).all()
+        student = vocab_parallel_logits(load_hf(ckpts["student"], real_vocab=REAL), ids)
+        assert torch.isneginf(student[..., REAL:]).all() and torch.isfinite(student[..., :REAL]).all()
+        unmasked = vocab_parallel_logits(load_hf(ckpts["padded"]), ids)
+        assert unmasked.shape[-1] == 320 and torch.isfinite(unmasked).all()  # without the option: as it was
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(divergence="reverse_kl"), dict(divergence="jsd"), dict(top_k=32),
+                                dict(top_p=0.9, min_k=2), dict(top_k=288, divergence="reverse_kl")],
+                         ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "dense")
+def test_the_kd_loss_between_aligned_models_is_exact_on_the_shared_ids(tp1, ckpts, kw):
+    ids = torch.randint(0, REAL, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        teacher = vocab_parallel_logits(load_hf(ckpts["padded"], vocab_size=288, real_vocab=REAL), ids)
+    student_model = load_hf(ckpts["student"], real_vocab=REAL)
+    student = vocab_parallel_logits(student_model, ids)
+    loss = logits_kd_loss(student, teacher, **kw)
+    s64 = student[..., :REAL].detach().double().reshape(-1, REAL).requires_grad_(True)
+    ref_kw = {**kw, "top_k": min(kw["top_k"], REAL)} if "top_k" in kw else kw
+    ref = reference_kd(s64, teacher[..., :REAL].double().reshape(-1, REAL), **ref_kw)[0]
+    torch.testing.assert_close(loss.double().reshape(-1), ref.detach(), rtol=1e-5, atol=1e-6)
+    loss.sum().backward()
+    w = student_model.output_layer.weight.grad
+    assert torch.isfinite(w).all() and (w[REAL:] == 0).all()  # nothing learnt on a row that is not a token
+
+
+def _cfg(*overrides):
+    with initialize_config_module(config_module="kdexp.conf", version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_config_accepts_padding_only_and_names_the_fix(ckpts):
+    both = (f"model.teacher_path={ckpts['padded']}", f"model.student_path={ckpts['student']}",
+            "model.teacher=0.6b", "model.student=0.6b", "trainer.seq_length=64")
+    with pytest.raises(ValueError, match=r"vocabulary \(320\) and model.student vocabulary \(288\) differ: .*"
+                                         r"set model.vocab_alignment=tokenizer"):
+        validate(_cfg(*both))
+    validate(_cfg(*both, "model.vocab_alignment=tokenizer", "loss.top_k=288", "teacher.k_max=288"))
+    with pytest.raises(ValueError, match=r"tokenizer has 256 ids but model.teacher has 320 vocabulary rows and "
+                                         r"model.student 200"):
+        validate(_cfg(f"model.teacher_path={ckpts['padded']}", f"model.student_path={ckpts['short']}",
+                      "model.teacher=0.6b", "model.student=0.6b", "trainer.seq_length=64",
+                      "model.vocab_alignment=tokenizer"))
+    with pytest.raises(ValueError, match="model.vocab_alignment='tokens' is invalid"):
+        validate(_cfg(*both, "model.vocab_alignment=tokens"))
+
+
+@pytest.mark.slow
+def test_a_run_distils_between_padded_checkpoints(ckpts, env, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "kdexp.run", f"model.teacher_path={ckpts['padded']}",
+            f"model.student_path={ckpts['student']}", "model.teacher=0.6b", "model.student=0.6b", "teacher.k_max=256",
+            "loss.top_k=64", "logger=none", "data.max_chars=100000", "trainer.max_steps=2", "trainer.warmup_steps=1",
+            "trainer.micro_batch_size=2", "trainer.seq_length=32", "trainer.eval_interval=2", "trainer.eval_iters=1",
+            "trainer.checkpoint_interval=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    refused = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert refused.returncode == 2 and "set model.vocab_alignment=tokenizer" in refused.stderr, refused.stderr[-2000:]
+    done = subprocess.run([*args, "model.vocab_alignment=tokenizer"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    final = json.loads((tmp_path / "run" / "summary.json").read_text())["final"]
+    assert all(math.isfinite(v) for k, v in final.items() if isinstance(v, float)), final
