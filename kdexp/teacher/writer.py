@@ -239,7 +239,7 @@ def ensure_at(path: Path, key: dict, layout: fmt.Layout, teacher, dataset, micro
                 cache = TeacherCache(path, key)
             cache.trust(range(cache.layout.shards))  # verified above or written and checked by the rebuild
             if rank0 and not damaged:
-                log.info("stage teacher_cache: reusing %s (%d shards verified in %.2f s)", path, cache.layout.shards,
+                log.info("stage teacher_cache: reusing %s (%d shard(s) verified in %.2f s)", path, cache.layout.shards,
                          time.perf_counter() - started)
         else:
             if rank0:
