@@ -9,7 +9,9 @@ Hydra's argparse parser takes its flags only before or after all the overrides (
 and whether each takes a value are read from Hydra's own parser (``hydra._internal.utils.get_args_parser``, the one
 private Hydra name used here), so a new Hydra flag is handled without a change here.
 
-Exit status: 0 done; 1 a run that failed or diverged (a sweep with a failed point); 2 a user error: a bad command
+Exit status: 0 done; 1 a run that failed or diverged (a sweep with a failed point), or a full disk / read-only
+directory (one line naming the path and the cause: kdexp.track.faults); 128 + N a run that signal N stopped after
+saving a checkpoint (143 for SIGTERM; kdexp.train.signals; the line says how to resume); 2 a user error: a bad command
 line, a config Hydra cannot compose (unknown key, wrong type, missing option) or a value ``kdexp.config.validate``
 rejects. A config error or a divergence in a single run prints one line, without a Python traceback. In a sweep the
 exception goes on to ``kdexp.track.sweep.SweepCallback``, which records the point as failed and lets the others run.
@@ -25,7 +27,7 @@ from omegaconf import DictConfig
 
 import kdexp.conf  # noqa: F401  (registers the typed schema and the resolvers the YAML uses)
 import kdexp.config
-from kdexp.track import records, rundir
+from kdexp.track import faults, records, rundir
 
 # ----------------------------------------------------------------------------------------------------------------------
 # argv as users type it
@@ -164,6 +166,10 @@ def main(cfg: DictConfig):
             raise
         if _is_diverged(err):  # kdexp.train wrote summary.json (status diverged), run.log and error.log
             _single_run_failed(1, f"kdexp: {err}", run_dir, None)
+            return None
+        fault = faults.disk_fault(err)
+        if fault is not None:  # a full disk, a read-only dir: the path and the cause, no traceback
+            _single_run_failed(1, f"kdexp: error: {faults.describe(fault)}", run_dir, None)
             return None
         raise  # kdexp.train wrote run.log and error.log; Hydra prints the traceback; exit status 1
 

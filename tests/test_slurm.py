@@ -249,3 +249,67 @@ def test_trainer_sweep_tp2_on_slurm_matches_tp1_basic_launcher(tmp_path):
     for d in (slurm_dir / ".submitit").iterdir():
         if re.fullmatch(r"\d+_\d+", d.name):
             assert len(list(d.glob("*_log.out"))) == 2
+
+
+# --- the trainer preempted: USR2 (what SLURM sends signal_delay_s before the time limit) on a running TP=2 job --------
+@pytest.mark.slurm
+@pytest.mark.usefixtures("slurm_cluster")
+def test_usr2_on_a_training_job_saves_that_step_and_the_requeued_job_resumes_it(tmp_path):
+    workdir, sweep_dir = tmp_path / "w", tmp_path / "sweep"
+    workdir.mkdir()
+    env = app_env(workdir, KDEXP_CACHE=str(workdir / "cache"), WANDB_MODE="offline")
+    env.pop("KDEXP_RUN_STAMP", None)
+    steps = 30  # no periodic checkpoint and eval only at the end: the only checkpoint is the one USR2 asks for
+    proc = subprocess.Popen([sys.executable, "-m", "kdexp.run", "-m", "experiment=smoke",
+                             "model.embedded_teacher=shipped", "logger=none", f"trainer.max_steps={steps}", f"trainer.eval_interval={steps}",
+                             f"trainer.checkpoint_interval={steps}", "parallel.tensor=2", "hydra/launcher=slurm_cpu",
+                             "hydra.launcher.timeout_min=20", f"hydra.sweep.dir={sweep_dir}"],
+                            cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir = sweep_dir / "0"
+
+    def trained_steps() -> list[int]:
+        path = run_dir / "metrics.jsonl"
+        out = []
+        for line in path.read_text().splitlines() if path.is_file() else []:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # the line being written
+                continue
+            if record["kind"] == "train":
+                out.append(record["step"])
+        return out
+
+    def wait_for(what, condition, timeout_s=600.0):
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"waiting for {what}: sweep exited or {timeout_s}s passed\n{proc.communicate()[0]}"
+                            f"\n{_diagnostics(sweep_dir)}")
+            time.sleep(0.2)
+
+    try:
+        wait_for("step 2 of the first attempt", lambda: len(trained_steps()) >= 2)
+        job = json.loads((run_dir / "point.json").read_text())["slurm_job_id"]
+        subprocess.run(["scancel", "--signal=USR2", job], check=True, timeout=60)
+
+        def requeued_and_done():
+            reason = subprocess.run(["squeue", "-h", "-j", job, "-o", "%r"], capture_output=True, text=True).stdout
+            if "BeginTime" in reason:  # SLURM holds a requeued job for ~2 minutes; let it start now
+                subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], capture_output=True)
+            return proc.poll() is not None
+
+        wait_for("the requeued attempt", requeued_and_done)
+        out = proc.communicate()[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _cancel_jobs(sweep_dir)
+    assert proc.returncode == 0, out[-5000:] + _diagnostics(sweep_dir)
+    log = (run_dir / "run.log").read_text()
+    m = re.search(r"preempted by SIGUSR2 after step (\d+)/30: checkpoint step \1 saved in .*; submitit requeues", log)
+    assert m, log[-5000:]
+    assert f"resuming from step {m[1]} " in log  # the requeued attempt starts right after the saved step
+    assert trained_steps() == list(range(1, steps + 1))  # every step once: none redone, none lost
+    (p,) = json.loads((sweep_dir / "sweep.json").read_text())["points"]
+    assert p["status"] == "finished" and p["attempt"] == 2 and p["slurm_job_id"] == job

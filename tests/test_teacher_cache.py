@@ -128,6 +128,47 @@ def test_corruption_is_named(tmp_path, record, part):
         TeacherCache(path)
 
 
+def test_damaged_shards_are_found_before_use_and_only_they_are_rebuilt(tmp_path, caplog):
+    """A flipped byte, a truncated file and a deleted shard (what the old message told users to do): the next open
+    through ensure (what a run does before its first step) names each and rewrites those shards only."""
+    path = tmp_path / "c"
+    _build(path)
+    fresh = _shard_digests(path)
+    kept = {p.name: p.stat().st_mtime_ns for p in path.glob("shard-00000.*")}
+    f = path / "shard-00001.values"
+    raw = bytearray(f.read_bytes())
+    raw[17] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    with open(path / "shard-00002.lse", "r+b") as h:
+        h.truncate(40)
+    for p in path.glob("shard-00003.*"):
+        p.unlink()
+    with caplog.at_level("WARNING", logger="kdexp"):
+        cache = _build(path)
+    said = [r.getMessage() for r in caplog.records if "rebuilding shard" in r.getMessage()]
+    assert len(said) == 3, said
+    assert "shard-00001.values fails its checksum" in said[0] and "rebuilding shard 1 of 4" in said[0]
+    assert "shard-00002.lse is 40 bytes" in said[1] and "shard-00003.indices is missing" in said[2]
+    assert {p.name: p.stat().st_mtime_ns for p in path.glob("shard-00000.*")} == kept  # untouched
+    assert _shard_digests(path) == fresh and (path / "manifest.json").is_file()
+    TeacherCache(path).verify()
+    cache.read([0, 4, 6, 7], 1.0)
+
+
+def test_the_fix_printed_for_a_shard_damaged_after_open_works(tmp_path):
+    path = tmp_path / "c"
+    _build(path)
+    fresh = _shard_digests(path)
+    with open(path / "shard-00002.values", "r+b") as h:
+        h.truncate(8)
+    with pytest.raises(CacheCorrupt, match="rerun: a run checks every shard of its teacher cache before training "
+                                           "and rebuilds the damaged ones") as err:
+        TeacherCache(path).read([6], 1.0)  # shard 2 (3 samples per shard)
+    assert "shard-00002.values is 8 bytes" in str(err.value)
+    _build(path)  # the rerun
+    assert _shard_digests(path) == fresh
+
+
 def test_another_key_is_refused_naming_what_differs(tmp_path):
     path = tmp_path / "c"
     _build(path)

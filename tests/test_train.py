@@ -115,6 +115,32 @@ def test_sigkill_then_resume_matches_uninterrupted(smoke_run, env, tmp_path):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
 
 
+SIGNAL_RUN = str(Path(__file__).with_name("_signal_run.py"))  # kdexp.run that signals itself during a given step
+
+
+def test_sigterm_mid_step_checkpoints_that_step_and_the_printed_command_resumes_bit_exact(smoke_run, env, tmp_path):
+    reference, _ = smoke_run
+    run_dir = tmp_path / "preempted"
+    args = [*SMOKE, f"hydra.run.dir={run_dir}", "trainer.export_hf=true"]  # checkpoints every 3 steps
+    proc = subprocess.run([sys.executable, SIGNAL_RUN, "4", "TERM", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 128 + 15, out[-3000:]  # 143: what a shell reports for a process SIGTERM ended
+    (line,) = [x for x in out.splitlines() if "preempted by" in x]
+    assert f"preempted by SIGTERM after step 4/6: checkpoint step 4 saved in {run_dir / 'checkpoints'}" in line
+    assert "Traceback" not in out and not (run_dir / "summary.json").exists()
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "4"  # step 4 itself, not the periodic 3
+    command = line.split("resume with: ")[1].split()
+    assert command[:3] == ["python", "-m", "kdexp.run"] and f"hydra.run.dir={run_dir}" in command
+    resumed = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from step 4" in resumed.stdout + resumed.stderr
+    assert [x["step"] for x in metrics(run_dir, "train")] == [1, 2, 3, 4, 5, 6]  # each step once: none redone
+    assert comparable(summary(run_dir)["final"]) == comparable(summary(reference)["final"])  # bit-exact
+    assert [comparable(x) for x in metrics(run_dir, "train")] == [comparable(x) for x in metrics(reference, "train")]
+
+
 def test_torchrun_tensor_parallel_2_matches_tp1(smoke_run, env, tmp_path):
     reference, _ = smoke_run
     run_dir = tmp_path / "tp2"

@@ -3,7 +3,9 @@
 `TeacherCache(path, key)` opens the manifest (a missing one: the cache is unfinished; a key that differs from this
 run's: a `CacheMismatch` naming every entry that differs). A shard is verified against its sha256 the first time a
 process touches it, so a truncated or garbled file is a `CacheCorrupt` naming the file, never silently used;
-`verify()` checks them all up front. `read(sample_index, temperature)` returns the stored record of those samples as
+`verify()` checks them all up front. A run opens its cache through kdexp.teacher.writer.ensure, which checks every
+shard before training (the ranks share the hashing), rebuilds the damaged ones and `trust`s the rest, so that the
+first-use check does not hash them again. `read(sample_index, temperature)` returns the stored record of those samples as
 tensors, whatever its record type (kdexp.teacher.format.decode_record).
 """
 from __future__ import annotations
@@ -66,6 +68,7 @@ class TeacherCache:
         self.layout = fmt.Layout.from_json(manifest["layout"])
         self._checksums = manifest["shards"]
         self._maps: dict[int, dict[str, np.memmap]] = {}
+        self._verified: set[int] = set()  # shards checked in this process (or by the other ranks: `trust`)
 
     @property
     def k_max(self) -> int:
@@ -78,14 +81,25 @@ class TeacherCache:
                              f"temperatures {temps} only")
         return temps.index(float(temperature))
 
+    def check(self, j: int) -> Optional[str]:
+        """None when shard j matches the manifest's checksums (then it is not hashed again here), else why not."""
+        if not 0 <= j < self.layout.shards:
+            raise IndexError(f"shard {j} is outside the teacher cache's {self.layout.shards} shards")
+        problem = check_shard(self.path, j, self._checksums.get(str(j)))
+        if problem is None:
+            self._verified.add(j)
+        return problem
+
+    def trust(self, shards) -> None:
+        """Shards another rank of this run has just verified."""
+        self._verified.update(shards)
+
     def _shard(self, j: int) -> dict[str, np.memmap]:
         if j not in self._maps:
-            if not 0 <= j < self.layout.shards:
-                raise IndexError(f"shard {j} is outside the teacher cache's {self.layout.shards} shards")
-            problem = check_shard(self.path, j, self._checksums[str(j)])
-            if problem:
-                raise CacheCorrupt(f"teacher cache {self.path}: {problem}; delete the shard's files and its "
-                                   f"{fmt.shard_file(self.path, j, 'json').name} (a rerun rewrites that shard only)")
+            problem = None if j in self._verified else self.check(j)
+            if problem:  # damaged after the run opened it (or opened by a tool, not by a run)
+                raise CacheCorrupt(f"teacher cache {self.path}: {problem}; rerun: a run checks every shard of its "
+                                   "teacher cache before training and rebuilds the damaged ones")
             n = len(self.layout.shard_range(j))
             self._maps[j] = {part: np.memmap(fmt.shard_file(self.path, j, part), dtype=dt, mode="r", shape=shape)
                              for part, (shape, dt) in self.layout.shapes(n).items()}

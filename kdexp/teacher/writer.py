@@ -16,7 +16,10 @@ samples [0, max_steps * global_batch), so step t's records are exactly the sampl
   kdexp.losses.cached.teacher_topk_record, or make the same draws in kdexp.losses.sampled.draw_teacher), into temp
   files renamed into place, then its checksum record;
 - resumable: a killed build keeps its finished (checksum-verified) shards; a rerun writes only the others;
-- global rank 0 writes manifest.json last.
+- global rank 0 writes manifest.json last;
+- verified before training: a finished cache's shards are checked against the manifest's sizes and sha256 when a run
+  opens it, each rank hashing every world_size-th shard (the same hashing each rank did on first use before, now
+  shared); a damaged or missing shard is rebuilt, and only that shard, before the first step.
 """
 from __future__ import annotations
 
@@ -142,8 +145,10 @@ def write_shard(path: Path, j: int, layout: fmt.Layout, teacher, dataset, micro_
     records.write_json(fmt.shard_file(path, j, "json"), {"files": files})  # last: the shard counts as finished
 
 
-def build(path: Path, key: dict, layout: fmt.Layout, teacher, dataset, micro_batch_size: int) -> None:
-    """Write every unfinished shard (collective: call on every rank), then global rank 0 writes the manifest."""
+def build(path: Path, key: dict, layout: fmt.Layout, teacher, dataset, micro_batch_size: int,
+          known_good: frozenset = frozenset()) -> None:
+    """Write every unfinished shard (collective: call on every rank), then global rank 0 writes the manifest.
+    `known_good`: shards just verified (not hashed again before the resume decision)."""
     st = distributed.state()
     rank0 = distributed.is_rank0()
     path.mkdir(parents=True, exist_ok=True)
@@ -159,7 +164,7 @@ def build(path: Path, key: dict, layout: fmt.Layout, teacher, dataset, micro_bat
                             "teacher.path elsewhere (or null for the default location) or delete it")
     started, kept, written = time.perf_counter(), 0, 0
     for j in range(st.dp_rank, layout.shards, st.dp_size):
-        if _agree(check_shard(path, j) is None, distributed.tp_group()):
+        if _agree(j in known_good or check_shard(path, j) is None, distributed.tp_group()):
             kept += 1
             continue
         write_shard(path, j, layout, teacher, dataset, micro_batch_size)
@@ -184,6 +189,34 @@ def build(path: Path, key: dict, layout: fmt.Layout, teacher, dataset, micro_bat
     distributed.barrier()
 
 
+def _damaged(cache: TeacherCache) -> dict[int, str]:
+    """Shard -> what is wrong with it, over every shard of `cache` (collective: each rank hashes its share)."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = {j: why for j in range(rank, cache.layout.shards, world) if (why := cache.check(j)) is not None}
+    if world == 1:
+        return mine
+    every: list = [None] * world
+    dist.all_gather_object(every, mine)
+    return {j: why for part in every for j, why in part.items()}
+
+
+def _rebuild(cache: TeacherCache, damaged: dict[int, str], key: dict, teacher, dataset,
+             micro_batch_size: int) -> None:
+    """Remove the damaged shards (and the manifest: the cache is unfinished until they are back), write them again."""
+    path, layout = cache.path, cache.layout
+    if distributed.is_rank0():
+        for j, why in sorted(damaged.items()):
+            log.warning("stage teacher_cache: %s: rebuilding shard %d of %d (the others are intact)", why, j,
+                        layout.shards)
+        (path / fmt.MANIFEST).unlink(missing_ok=True)
+        for j in damaged:
+            for part in (*fmt.RECORD_PARTS[layout.record], "json"):
+                fmt.shard_file(path, j, part).unlink(missing_ok=True)
+    distributed.barrier()
+    build(path, key, layout, teacher, dataset, micro_batch_size,
+          known_good=frozenset(range(layout.shards)) - frozenset(damaged))
+
+
 def ensure(cfg, data, teacher) -> TeacherCache:
     """The run's teacher cache (built first, under the cache's lock, when missing or unfinished). Every rank."""
     layout = layout_for(cfg, data)
@@ -200,8 +233,15 @@ def ensure_at(path: Path, key: dict, layout: fmt.Layout, teacher, dataset, micro
         done = distributed.rank0_decides(manifest.is_file() if rank0 else True)
         if done:
             cache = TeacherCache(path, key)  # CacheMismatch here names what differs
-            if rank0:
-                log.info("stage teacher_cache: reusing %s", path)
+            started = time.perf_counter()
+            damaged = _damaged(cache)
+            if damaged:
+                _rebuild(cache, damaged, key, teacher, dataset, micro_batch_size)
+                cache = TeacherCache(path, key)
+            cache.trust(range(cache.layout.shards))  # verified above or written and checked by the rebuild
+            if rank0 and not damaged:
+                log.info("stage teacher_cache: reusing %s (%d shard(s) verified in %.2f s)", path, cache.layout.shards,
+                         time.perf_counter() - started)
         else:
             if rank0:
                 log.info("stage teacher_cache: one teacher pass over %d samples x %d tokens into %s (%s record: "

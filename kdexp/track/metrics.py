@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from kdexp.track import records
+from kdexp.track import faults, records
 
 log = logging.getLogger("kdexp")
 
@@ -85,9 +85,22 @@ class MetricsFile:
         os.replace(tmp, self.path)
 
     def write(self, record: dict) -> None:
-        if self.enabled:
-            with self.path.open("a") as f:
-                f.write(records.dumps(record, sort_keys=True) + "\n")
+        """Append one line; a write that fails (a full disk) is cut back so that no half line is left."""
+        if not self.enabled:
+            return
+        data = memoryview((records.dumps(record, sort_keys=True) + "\n").encode())
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            end = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                with faults.writing(self.path):
+                    while data:
+                        data = data[os.write(fd, data):]
+            except BaseException:
+                os.ftruncate(fd, end)
+                raise
+        finally:
+            os.close(fd)
 
 
 def _fmt_eta(seconds: float) -> str:

@@ -4,12 +4,14 @@
 benchmark both use it. Eval every ``trainer.eval_interval`` steps and at the end; checkpoints every
 ``trainer.checkpoint_interval`` steps and at the end. A rerun in the same run dir resumes from the latest intact
 checkpoint and reproduces the uninterrupted run: the data stream restarts at the checkpoint's sample offset and the
-interval accumulators are part of the checkpoint. A non-finite step is skipped or stops the run (kdexp.train.step).
+interval accumulators are part of the checkpoint. SIGTERM / SIGUSR1 / SIGUSR2 save the current step at its end and
+stop the run (kdexp.train.signals). A non-finite step is skipped or stops the run (kdexp.train.step).
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -19,8 +21,9 @@ import torch
 from kdexp import assets, distributed, models
 from kdexp.config.checks import accumulation_steps
 from kdexp.data import batches, prepare
+from kdexp.track import faults
 from kdexp.track.metrics import IntervalMeter, MetricsFile, Progress, console_line, eval_line
-from kdexp.train import checkpoint, megatron_optim, objectives, optim
+from kdexp.train import checkpoint, megatron_optim, objectives, optim, signals
 from kdexp.train.step import (NonFiniteGuard, apply_update, evaluate, optimizer_tensors, reduce_and_clip,
                               train_step)
 from kdexp.train.teacher import get_teacher
@@ -180,6 +183,26 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
         if wandb_logger is not None:
             wandb_logger.log(record, record["step"])
 
+    def save(done: int) -> int:
+        guard.check_state(done, [*student.parameters(), *optimizer_tensors(opt)],
+                          metrics=_final(last_train, last_eval), checkpoint=saved)
+        target = checkpoint.step_dir(ckpt_dir, done)
+        try:
+            with faults.writing(target):
+                checkpoint.save(ckpt_dir, done, {
+                    "model": student.state_dict(), "optimizer": opt.state_dict(), "rng": torch.get_rng_state(),
+                    "meter": meter.state_dict(), "last_train": last_train, "last_eval": last_eval, "step": done,
+                    "skipped": guard.skipped, "config_hash": config_hash})
+        except BaseException:
+            # a save that committed nothing (a full disk, a kill) leaves no empty step dir behind
+            if rank0 and target.is_dir() and not any(target.glob("tp*.json")):
+                shutil.rmtree(target, ignore_errors=True)
+            raise
+        return done
+
+    faults.watch_log_files()  # a full disk under run.log: one line at the next step, not a traceback per record
+    # SIGTERM / SIGUSR1 / SIGUSR2 from here on: checkpoint at the step boundary, then exit (kdexp.train.signals)
+    preemption = signals.Preemption().__enter__()
     try:
         for step in range(start, t.max_steps):
             done = step + 1
@@ -220,17 +243,22 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
                     log.info(eval_line(done, last_eval))
                 emit({"step": done, "kind": "val", **last_eval})
             if done % t.checkpoint_interval == 0 or done == t.max_steps:
-                guard.check_state(done, [*student.parameters(), *optimizer_tensors(opt)],
-                                  metrics=_final(last_train, last_eval), checkpoint=saved)
-                checkpoint.save(ckpt_dir, done, {
-                    "model": student.state_dict(), "optimizer": opt.state_dict(), "rng": torch.get_rng_state(),
-                    "meter": meter.state_dict(), "last_train": last_train, "last_eval": last_eval, "step": done,
-                    "skipped": guard.skipped, "config_hash": config_hash})
-                saved = done
+                saved = save(done)
             for hook in STEP_END_HOOKS:
                 hook(done)
+            faults.raise_pending()  # run.log could not be written (a full disk): stop like any other write
+            signum = preemption.agreed(st.device) if done < t.max_steps else 0  # at the last step: just finish
+            if signum:
+                if saved != done:
+                    saved = save(done)
+                line = (f"preempted by {signals.name(signum)} after step {done}/{t.max_steps}: checkpoint step "
+                        f"{done} saved in {ckpt_dir}; exit status {128 + signum}; {signals.resume_hint(run_dir)}")
+                if rank0:
+                    log.warning(line)
+                preemption.stop(signum, done, line)
             if done % t.log_interval == 0 or done == t.max_steps:
                 interval_start, interval_steps = time.perf_counter(), 0  # eval and checkpoint time are not step time
     finally:
+        preemption.__exit__()
         progress.close()
     return _final(last_train, last_eval), student

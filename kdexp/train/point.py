@@ -23,7 +23,7 @@ from hydra.types import RunMode
 
 from kdexp import distributed
 from kdexp.config import config_hash
-from kdexp.track import records, rundir, sweep
+from kdexp.track import faults, records, rundir, sweep
 from kdexp.train.errors import Diverged
 from kdexp.track.wandb_logger import WandbLogger
 
@@ -63,7 +63,7 @@ def run_point(cfg) -> dict:
     try:
         return _run_point(cfg, run_dir, multirun, overrides, hc)
     except Exception as exc:
-        if not multirun and sweep.global_rank() == 0:
+        if not multirun and sweep.global_rank() == 0 and faults.disk_fault(exc) is None:
             what = "run diverged" if isinstance(exc, Diverged) else "run failed"
             records.write_error(run_dir, what, traceback.format_exc())
         raise
