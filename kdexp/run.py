@@ -148,13 +148,16 @@ def main(cfg: DictConfig):
     try:
         kdexp.config.validate(cfg)  # before W&B, data, teacher or any process group
         kdexp.config.check_launch(cfg)  # enough processes for parallel.tensor (torchrun / SLURM tasks)
+        # a run dir holding another config's run is refused (trainer.overwrite=true starts over)
+        rundir.claim(run_dir, kdexp.config.config_hash(cfg), overwrite=cfg.trainer.overwrite)
         from kdexp.plan import refuse_if_too_big
 
         refuse_if_too_big(cfg)  # trainer.gpu_memory_gb set: the plan must fit (kdexp.plan, no model built)
     except ValueError as err:
         if multirun:
             raise  # SweepCallback records the point as failed; the other points go on
-        _single_run_failed(2, f"kdexp: error: {err}", run_dir, f"config error: {err}\n")
+        taken = isinstance(err, rundir.RunDirTaken)  # nothing is written into another run's dir
+        _single_run_failed(2, f"kdexp: error: {err}", run_dir, None if taken else f"config error: {err}\n")
         return None
     from kdexp.train import run_point
 
@@ -177,6 +180,11 @@ def _one_mode(argv: Sequence[str]):
     args = get_args_parser().parse_args(argv)  # argparse errors exit 2 here, as they would in hydra.main
     modes = [flag for flag, on in (("--run", args.run), ("--multirun", args.multirun), ("--cfg", args.cfg),
                                    ("--info", args.info), ("--shell-completion", args.shell_completion)) if on]
+    if args.experimental_rerun:  # Hydra unpickles the file it names: a file in a run dir must never run code
+        print(f"kdexp: error: --experimental-rerun {args.experimental_rerun} is refused: it unpickles the file, which "
+              "can run code; rerun with the overrides the run dir's .hydra/overrides.yaml lists instead",
+              file=sys.stderr)
+        raise SystemExit(2)
     if len(modes) > 1:
         print(f"kdexp: error: {' and '.join(modes)} cannot be combined: give one of --run, --multirun, --cfg, --info"
               " and --shell-completion", file=sys.stderr)

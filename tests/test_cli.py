@@ -214,6 +214,8 @@ def test_a_bad_value_is_one_line_exit_2_and_nothing_is_built(env, tmp_path, over
     (["model=nonexistent"], "model has no option 'nonexistent'"),
     (["trainer.lr=-1", "--cfg", "job", "loss.bogus=1"], "the config has no key 'loss.bogus'"),
     (["a=1", "--bogus"], "unrecognized arguments: --bogus"),
+    (["--experimental-rerun", "run/.hydra/config.pickle"],
+     "kdexp: error: --experimental-rerun run/.hydra/config.pickle is refused: it unpickles the file"),
     (["a=1", "--cfg"], "expected one argument"),
     (["loss=topk,top_p", "-m", "--cfg", "job"], "kdexp: error: --multirun and --cfg cannot be combined"),
 ])

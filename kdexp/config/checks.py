@@ -89,7 +89,7 @@ def _check_trainer(t: Any, max_positions: int) -> None:
     if t.gpu_memory_gb is not None:
         number("trainer.gpu_memory_gb", t.gpu_memory_gb, gt=0)
     number("trainer.gpu_peak_tflops", t.gpu_peak_tflops, gt=0)
-    for key in ("reuse_finished", "export_hf"):
+    for key in ("reuse_finished", "export_hf", "overwrite"):
         if not isinstance(getattr(t, key), bool):
             fail(f"trainer.{key}", getattr(t, key), "must be true or false")
 
