@@ -101,3 +101,12 @@ def test_tensor_parallel_needs_as_many_processes(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(ValueError, match=r"must divide the world size 3 \(launched by torchrun\)$"):
         check_launch(cfg)
+
+
+def test_the_megatron_optimizer_without_cuda_is_refused_before_any_work():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: trainer.optimizer=megatron is valid here")
+    with pytest.raises(ValueError, match=r"^trainer.optimizer='megatron' is invalid: needs CUDA"):
+        check_launch(cfg_of("trainer.optimizer=megatron"))

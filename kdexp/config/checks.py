@@ -160,6 +160,12 @@ def check_launch(cfg: Any) -> None:
              f"{tp} python -m kdexp.run ...`), or with hydra/launcher=slurm_gpu hydra.launcher.tasks_per_node={tp}")
     if job.world_size % tp:
         fail("parallel.tensor", tp, f"must divide the world size {job.world_size} (launched by {job.source})")
+    if cfg.trainer.optimizer == "megatron":  # kdexp.train.megatron_optim.uses_megatron's rule, before any work
+        import torch
+
+        if not torch.cuda.is_available():
+            fail("trainer.optimizer", "megatron", "needs CUDA (megatron-core's optimizers); use trainer.optimizer=auto "
+                 "or torch on a CPU machine")
 
 
 # What each shipped loss option's name promises (conf/loss/<name>.yaml). A set of options that contradicts it is an
