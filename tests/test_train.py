@@ -150,6 +150,14 @@ def test_identical_sweep_rerun_retrains_nothing(env, tmp_path):
         assert b["final"] == a["final"] and b["config_hash"] == a["config_hash"]
         assert not (second / num / "checkpoints").exists()  # nothing was retrained
         assert json.loads((second / num / "point.json").read_text())["status"] == "reused"
+        # the reused point holds its own copy of the curves (and the W&B id, none with logger=none)
+        assert (second / num / "metrics.jsonl").read_bytes() == (first / num / "metrics.jsonl").read_bytes()
+        assert b["wandb_id"] is None
+    first.rename(tmp_path / "moved")  # the sweep the points came from moves: they keep their curves
+    from kdexp.report.rundirs import load_sweep
+
+    for p in load_sweep(second).points:
+        assert p.status == "finished" and [s for s, _ in p.curves["train/loss"]] == [1, 2]
 
 
 def test_rerun_with_another_config_is_refused_unless_asked_to_start_over(env, tmp_path):
