@@ -149,13 +149,17 @@ def main(cfg: DictConfig):
     run_dir = hc.runtime.output_dir
     try:
         kdexp.config.validate(cfg)  # before W&B, data, teacher or any process group
+        kdexp.config.check_launch(cfg)  # enough processes for parallel.tensor (torchrun / SLURM tasks)
+        # a run dir holding another config's run is refused (trainer.overwrite=true starts over)
+        rundir.claim(run_dir, kdexp.config.config_hash(cfg), overwrite=cfg.trainer.overwrite)
         from kdexp.plan import refuse_if_too_big
 
         refuse_if_too_big(cfg)  # trainer.gpu_memory_gb set: the plan must fit (kdexp.plan, no model built)
     except ValueError as err:
         if multirun:
             raise  # SweepCallback records the point as failed; the other points go on
-        _single_run_failed(2, f"kdexp: error: {err}", run_dir, f"config error: {err}\n")
+        taken = isinstance(err, rundir.RunDirTaken)  # nothing is written into another run's dir
+        _single_run_failed(2, f"kdexp: error: {err}", run_dir, None if taken else f"config error: {err}\n")
         return None
     from kdexp.train import run_point
 
@@ -174,22 +178,43 @@ def main(cfg: DictConfig):
         raise  # kdexp.train wrote run.log and error.log; Hydra prints the traceback; exit status 1
 
 
-def _one_mode(argv: Sequence[str]) -> None:
-    """Hydra raises a bare ValueError (a traceback) for two modes at once, e.g. ``-m --cfg job``: a usage error."""
+def _one_mode(argv: Sequence[str]):
+    """Hydra raises a bare ValueError (a traceback) for two modes at once, e.g. ``-m --cfg job``: a usage error.
+    Returns the parsed command line."""
     from hydra._internal.utils import get_args_parser
 
     args = get_args_parser().parse_args(argv)  # argparse errors exit 2 here, as they would in hydra.main
     modes = [flag for flag, on in (("--run", args.run), ("--multirun", args.multirun), ("--cfg", args.cfg),
                                    ("--info", args.info), ("--shell-completion", args.shell_completion)) if on]
+    if args.experimental_rerun:  # Hydra unpickles the file it names: a file in a run dir must never run code
+        print(f"kdexp: error: --experimental-rerun {args.experimental_rerun} is refused: it unpickles the file, which "
+              "can run code; rerun with the overrides the run dir's .hydra/overrides.yaml lists instead",
+              file=sys.stderr)
+        raise SystemExit(2)
     if len(modes) > 1:
         print(f"kdexp: error: {' and '.join(modes)} cannot be combined: give one of --run, --multirun, --cfg, --info"
               " and --shell-completion", file=sys.stderr)
         raise SystemExit(2)
+    return args
+
+
+def _known_overrides(args) -> None:
+    """A group option or a key that does not exist is one line and exit 2 before Hydra composes anything
+    (kdexp.config.overrides). Checked against kdexp's own config; another primary config (-cp/-cn/-cd) is Hydra's."""
+    if args.config_path or args.config_name or args.config_dir or not args.overrides:
+        return
+    from kdexp.config import overrides
+
+    try:
+        overrides.check(args.overrides)
+    except ValueError as err:
+        print(f"kdexp: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
 
 
 def cli(argv: Optional[Sequence[str]] = None) -> None:
     sys.argv[1:] = hydra_argv(sys.argv[1:] if argv is None else argv)
-    _one_mode(sys.argv[1:])
+    _known_overrides(_one_mode(sys.argv[1:]))
     rundir.agree_on_stamp()
     try:
         main()

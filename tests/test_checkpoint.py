@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 
@@ -237,3 +238,77 @@ def test_a_run_whose_latest_checkpoint_is_truncated_resumes_from_the_previous_st
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if x["kind"] == "train"] == [1, 2, 3, 4, 5, 6]  # steps 4-6 redone once
     assert ck.verify(bad) is None and ck.load(run_dir / "checkpoints")["step"] == 6  # rewritten intact
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# nothing read back runs code (issue 26)
+
+MARKER_CODE = "open({marker!r}, 'w').write('ran')"
+
+
+class _RunsCode:
+    """A pickle payload that calls exec(...) when unpickled (what a crafted checkpoint does)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (MARKER_CODE.format(marker=self.marker),)
+
+
+def _plant(path, obj):
+    """Replace a checkpoint file with `obj` and a manifest that matches it (the sha256 guards against damage only)."""
+    torch.save(obj, path)
+    ck.records.write_json(path.with_suffix(".json"), {"file": path.name, "bytes": path.stat().st_size,
+                                                      "sha256": ck.sha256_file(path), "step": 6})
+
+
+def test_a_crafted_checkpoint_that_would_run_code_is_refused_and_never_runs(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    save_steps(ckpt, [3, 6])
+    marker = tmp_path / "marker"
+    crafted = ckpt / "step_6" / "tp0.pt"
+    _plant(crafted, {**state(6), "model": {"w": _RunsCode(marker)}})
+    # the payload does run under the unpickler torch used before (so this test would catch its return)
+    torch.load(crafted, weights_only=False)
+    assert marker.read_text() == "ran"
+    marker.unlink()
+    with pytest.raises(ck.UnsafeCheckpoint) as err:
+        ck.load(ckpt, config_hash="abc")
+    assert not marker.exists()
+    # one line naming the file, what it asked for, and the fix; no fallback to step 3 of a tampered run dir
+    assert str(err.value).splitlines() == [
+        f"{crafted} is not a kdexp checkpoint: it asks the unpickler for exec, not only tensors and plain values, so "
+        f"it could run code and was not loaded; kdexp never writes such a file: remove {crafted.parent} (or the run "
+        "dir) if you did not put it there"]
+    _plant(crafted, {**state(6), "model": {"w": _OsSystem(marker)}})  # a module function (posix.system)
+    with pytest.raises(ck.UnsafeCheckpoint, match=r"asks the unpickler for posix.system, not only"):
+        ck.load(ckpt, config_hash="abc")
+    assert not marker.exists()
+
+
+class _OsSystem(_RunsCode):
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_every_state_the_loop_saves_is_plain_and_a_foreign_object_is_refused_at_the_save(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    ck.save(ckpt, 1, {"model": model.state_dict(), "optimizer": opt.state_dict(), "rng": torch.get_rng_state(),
+                      "meter": {"sums": {"train/loss": torch.tensor(1.0)}, "count": 1}, "last_train": {"a": 1.0},
+                      "last_eval": {}, "step": 1, "skipped": 0, "config_hash": "abc"})
+    loaded = ck.read_state(ckpt / "step_1" / "tp0.pt")
+    assert loaded["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
+    torch.testing.assert_close(loaded["optimizer"]["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"],
+                               rtol=0, atol=0)
+    from collections import defaultdict
+
+    for bad, where in (({"x": defaultdict(int)}, "state['x']"), ({"x": [object()]}, "state['x'][0]"),
+                       ({"x": {(1, 2): 1}}, "state['x']")):
+        with pytest.raises(TypeError, match=rf"^checkpoint {re.escape(where)} "):
+            ck.save(ckpt, 2, {**state(2), **bad})
+    assert ck.steps_on_disk(ckpt) == [1]  # nothing written for the refused states

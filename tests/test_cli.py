@@ -186,7 +186,7 @@ def _nothing_built(env, cwd: Path) -> None:
 @pytest.mark.parametrize("overrides, line", [
     (["trainer.lr=-1"], "kdexp: error: trainer.lr=-1.0 is invalid: must be a finite number > 0"),
     (["trainer.seed=-1"], "kdexp: error: trainer.seed=-1 is invalid: must be an integer in [0, 4294967295]"),
-    (["data.max_chars=0"], "kdexp: error: data.max_chars=0 is invalid: must be an integer >= 1"),
+    (["data.max_chars=100"], "kdexp: error: data.max_chars=100 is invalid: must be an integer >= 1000"),
     (["data=indexed", "data.prefixes=[/nonexistent]"],
      "kdexp: error: data.prefixes=['/nonexistent'] is invalid: no indexed dataset at '/nonexistent' "
      "(missing /nonexistent.bin and /nonexistent.idx)"),
@@ -209,11 +209,13 @@ def test_a_bad_value_is_one_line_exit_2_and_nothing_is_built(env, tmp_path, over
 
 
 @pytest.mark.parametrize("args, says", [
-    (["trainer.bogus=1"], "Key 'bogus' not in 'TrainerConfig'"),
+    (["trainer.bogus=1"], "the config has no key 'trainer.bogus'"),
     (["trainer.lr=abc"], "Value 'abc' of type 'str' could not be converted to Float"),
-    (["model=nonexistent"], "Could not find 'model/nonexistent'"),
-    (["trainer.lr=-1", "--cfg", "job", "loss.bogus=1"], "Key 'bogus' not in 'LossConfig'"),
+    (["model=nonexistent"], "model has no option 'nonexistent'"),
+    (["trainer.lr=-1", "--cfg", "job", "loss.bogus=1"], "the config has no key 'loss.bogus'"),
     (["a=1", "--bogus"], "unrecognized arguments: --bogus"),
+    (["--experimental-rerun", "run/.hydra/config.pickle"],
+     "kdexp: error: --experimental-rerun run/.hydra/config.pickle is refused: it unpickles the file"),
     (["a=1", "--cfg"], "expected one argument"),
     (["loss=topk,top_p", "-m", "--cfg", "job"], "kdexp: error: --multirun and --cfg cannot be combined"),
 ])
@@ -221,6 +223,42 @@ def test_a_config_hydra_cannot_compose_exits_2_without_traceback(env, tmp_path, 
     r = kdexp(args, env, tmp_path)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert says in r.stderr and "Traceback" not in r.stdout + r.stderr
+    _nothing_built(env, tmp_path)
+
+
+# A typo never runs a different job (issue 26): each is one line and exit 2, before anything is composed or built.
+TYPOS = [
+    (["experiment=smokee"], "kdexp: error: experiment=smokee: experiment has no option 'smokee' (did you mean "
+                            "experiment=smoke?); the options are: qwen3_before_after, smoke"),
+    (["arm=befor"], "kdexp: error: arm=befor: arm has no option 'befor' (did you mean arm=before?); the options are: "
+                    "after, before, sampled, top_p"),
+    (["-m", "loss=topk,top_pp"], "kdexp: error: loss=topk,top_pp: loss has no option 'top_pp' (did you mean "
+                                 "loss=top_p?); the options are: dense, renorm_topk, sampled, top_p, topk"),
+    (["experiment=[smoke,qwen3]"], "kdexp: error: experiment=[smoke,qwen3]: experiment has no option 'qwen3'; the "
+                                   "options are: qwen3_before_after, smoke"),
+    (["hydra/launcher=slurm"], "kdexp: error: hydra/launcher=slurm: hydra/launcher has no option 'slurm' (did you "
+                               "mean hydra/launcher=slurm_gpu?); the options are: basic, local_cpu, slurm_cpu, "
+                               "slurm_gpu, submitit_local, submitit_slurm"),
+    (["+loss.topk=5"], "kdexp: error: +loss.topk=5: the config has no key 'loss.topk' (did you mean 'loss.top_k'?)"),
+    (["loss.topk=5"], "kdexp: error: loss.topk=5: the config has no key 'loss.topk' (did you mean 'loss.top_k'?)"),
+    (["++trainer.max_step=5"], "kdexp: error: ++trainer.max_step=5: the config has no key 'trainer.max_step' (did you "
+                               "mean 'trainer.max_steps'?)"),
+    (["loss=dense", "loss.top_p=0.9"], "kdexp: error: loss.top_p=0.9 is invalid: contradicts loss=dense (its name "
+                                       "would no longer say what it trains): these options make a loss=top_p loss; "
+                                       "choose loss=top_p (with its options), or leave loss.top_p at loss=dense's value"),
+    (["parallel.tensor=2"], "kdexp: error: parallel.tensor=2 is invalid: needs 2 processes (one per tensor-parallel "
+                            "rank) and this is one process: launch with `torchrun --nproc-per-node 2 -m kdexp.run "
+                            "...`, as 2 SLURM tasks (`srun --ntasks 2 python -m kdexp.run ...`), or with "
+                            "hydra/launcher=slurm_gpu hydra.launcher.tasks_per_node=2"),
+]
+
+
+@pytest.mark.parametrize("args, line", TYPOS, ids=[" ".join(a) for a, _ in TYPOS])
+def test_a_typo_never_runs_another_job(env, tmp_path, args, line):
+    r = kdexp([*args, f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"], env, tmp_path)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert r.stderr.splitlines() == [line]
+    assert not (tmp_path / "sweep").exists()
     _nothing_built(env, tmp_path)
 
 

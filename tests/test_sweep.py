@@ -98,7 +98,8 @@ def test_point_and_sweep_json_with_a_failure(tmp_path):
     assert [p["num"] for p in s["points"]] == [0, 1, 2, 3]
     assert [p["status"] for p in s["points"]] == ["finished", "running", "failed", "pending"]
     assert [p["overrides"] for p in s["points"]] == plan
-    assert s["counts"] == {"pending": 1, "running": 1, "finished": 1, "reused": 0, "failed": 1, "diverged": 0}
+    assert s["counts"] == {"pending": 1, "running": 1, "finished": 1, "reused": 0, "failed": 1, "diverged": 0,
+                           "interrupted": 0}
     assert s["points"][0]["metrics"] == {"val/lm_loss": 2.5}
     assert s["points"][0]["run_dir"] == str((sweep_dir / "0").resolve())
     failed = s["points"][2]

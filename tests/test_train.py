@@ -176,15 +176,33 @@ def test_identical_sweep_rerun_retrains_nothing(env, tmp_path):
         assert b["final"] == a["final"] and b["config_hash"] == a["config_hash"]
         assert not (second / num / "checkpoints").exists()  # nothing was retrained
         assert json.loads((second / num / "point.json").read_text())["status"] == "reused"
+        # the reused point holds its own copy of the curves (and the W&B id, none with logger=none)
+        assert (second / num / "metrics.jsonl").read_bytes() == (first / num / "metrics.jsonl").read_bytes()
+        assert b["wandb_id"] is None
+    first.rename(tmp_path / "moved")  # the sweep the points came from moves: they keep their curves
+    from kdexp.report.rundirs import load_sweep
+
+    for p in load_sweep(second).points:
+        assert p.status == "finished" and [s for s, _ in p.curves["train/loss"]] == [1, 2]
 
 
-def test_rerun_with_another_config_starts_over(env, tmp_path):
+def test_rerun_with_another_config_is_refused_unless_asked_to_start_over(env, tmp_path):
     run_dir = tmp_path / "run"
     base = [*SMOKE, "trainer.max_steps=2", "trainer.eval_interval=2", "logger=none", f"hydra.run.dir={run_dir}"]
     kdexp_run([*base, "balancer.alpha=0.9"], env, tmp_path)
     first = summary(run_dir)
-    proc = kdexp_run([*base, "balancer.alpha=0.5"], env, tmp_path)
-    assert "written by another config" in proc.stdout + proc.stderr  # its checkpoint is not resumed
+    kept = {p: p.read_bytes() for p in [run_dir / "metrics.jsonl", run_dir / "summary.json",
+                                         *sorted((run_dir / "checkpoints").rglob("*.pt"))]}
+    refused = kdexp_run([*base, "balancer.alpha=0.5"], env, tmp_path, check=False)
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    other = json.loads((run_dir / "run.json").read_text())["config_hash"]
+    assert other == first["config_hash"]
+    [line] = refused.stderr.splitlines()
+    assert line.startswith(f"kdexp: error: {run_dir} holds the run of another config ({other}; this config is ")
+    assert line.endswith("use another run dir (hydra.run.dir=...), or trainer.overwrite=true to delete that run and "
+                         "start over")
+    assert all(p.read_bytes() == data for p, data in kept.items())  # nothing of the first run was touched
+    kdexp_run([*base, "balancer.alpha=0.5", "trainer.overwrite=true"], env, tmp_path)
     second = summary(run_dir)
     assert second["config_hash"] != first["config_hash"] and "balancer.alpha=0.5" in second["overrides"]
     assert second["final"]["train/loss"] != first["final"]["train/loss"]

@@ -51,7 +51,7 @@ def no_gpu_reason() -> str | None:
 def _saved_devices(run_dir: Path) -> set[str]:
     """The devices the student's weights in the last checkpoint were saved from (torch.load puts them back there)."""
     (latest,) = sorted((run_dir / "checkpoints").glob("step_*/tp0.pt"))[-1:]
-    model = torch.load(latest, weights_only=False)["model"]
+    model = torch.load(latest, weights_only=True)["model"]  # tensors and plain values only: nothing runs code
     return {t.device.type for t in model.values() if isinstance(t, torch.Tensor)}
 
 

@@ -6,7 +6,7 @@
   kdexp.losses.options');
 - ``config_hash(cfg)``: the identity of a sweep point.
 """
-from kdexp.config.checks import validate
+from kdexp.config.checks import check_launch, validate
 from kdexp.config.identity import config_hash
 from kdexp.config.schema import (
     BalancerConfig,
@@ -22,5 +22,5 @@ from kdexp.config.schema import (
     register,
 )
 
-__all__ = ["validate", "config_hash", "register", "KdexpConfig", "ModelConfig", "LossConfig", "BalancerConfig",
+__all__ = ["validate", "check_launch", "config_hash", "register", "KdexpConfig", "ModelConfig", "LossConfig", "BalancerConfig",
            "DataConfig", "TrainerConfig", "ParallelConfig", "WandbConfig", "LoggerConfig", "PathsConfig"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
+from kdexp.config.overrides import unknown_keys
 from kdexp.config.rules import unresolved
 from kdexp.config.sources import (ALIGNMENTS, check_alignment, check_data, check_model, check_tokenizer, layer_counts,
                                   shapes, tokenizer_vocab)
@@ -89,7 +90,7 @@ def _check_trainer(t: Any, max_positions: int) -> None:
     if t.gpu_memory_gb is not None:
         number("trainer.gpu_memory_gb", t.gpu_memory_gb, gt=0)
     number("trainer.gpu_peak_tflops", t.gpu_peak_tflops, gt=0)
-    for key in ("reuse_finished", "export_hf"):
+    for key in ("reuse_finished", "export_hf", "overwrite"):
         if not isinstance(getattr(t, key), bool):
             fail(f"trainer.{key}", getattr(t, key), "must be true or false")
 
@@ -152,6 +153,80 @@ def _check_parallel(cfg: Any, sizes: dict, vocab: Optional[int]) -> None:
         fail("parallel.tensor", tp, f"must divide the world size {world} (launched by {launch.launch_env().source})")
 
 
+def check_launch(cfg: Any) -> None:
+    """The processes this run was launched with can hold its tensor-parallel group. kdexp.run calls it (validate
+    does not: a lone process may print or plan a TP=2 run). One process asked for TP > 1 is told how to launch."""
+    tp = cfg.parallel.tensor
+    job = launch.launch_env()
+    if tp > 1 and job.world_size == 1:
+        fail("parallel.tensor", tp, f"needs {tp} processes (one per tensor-parallel rank) and this is one process: "
+             f"launch with `torchrun --nproc-per-node {tp} -m kdexp.run ...`, as {tp} SLURM tasks (`srun --ntasks "
+             f"{tp} python -m kdexp.run ...`), or with hydra/launcher=slurm_gpu hydra.launcher.tasks_per_node={tp}")
+    if job.world_size % tp:
+        fail("parallel.tensor", tp, f"must divide the world size {job.world_size} (launched by {job.source})")
+    if cfg.trainer.optimizer == "megatron":  # kdexp.train.megatron_optim.uses_megatron's rule, before any work
+        import torch
+
+        if not torch.cuda.is_available():
+            fail("trainer.optimizer", "megatron", "needs CUDA (megatron-core's optimizers); use trainer.optimizer=auto "
+                 "or torch on a CPU machine")
+
+
+# What each shipped loss option's name promises (conf/loss/<name>.yaml). A set of options that contradicts it is an
+# error, rather than a name that follows the options: the name is what the user chose, what the report tables and
+# W&B group by, and a run named `dense` that truncates (or one named `topk` without a Top-K) is a wrong job whichever
+# name it gets; the error says which option gives that loss. A nucleus inside a Top-K keeps the name `topk` (the
+# Top-K bounds it; `loss.top_p=0.8,0.9` on the default is the cached-teacher sweep), and an option a user's own loss
+# file adds has no rule here.
+_LOSS_NAMES = {
+    # name: (keys that must be set, keys that must be null (top_p 1.0 cuts nothing), normalization or None)
+    "dense": ((), ("top_k", "top_p", "samples"), "full"),
+    "topk": (("top_k",), ("samples",), "full"),
+    "renorm_topk": (("top_k",), ("samples",), "renormalize"),
+    "top_p": (("top_p",), ("samples",), None),
+    "sampled": (("samples",), (), None),
+}
+
+
+def _loss_option(loss: Any) -> str:
+    """The shipped loss option whose promise these options keep (the first that fits)."""
+    for name in ("sampled", "top_p", "renorm_topk", "topk", "dense"):
+        if _keeps_promise(loss, name) is None:
+            return name
+    return "top_p"
+
+
+def _keeps_promise(loss: Any, name: str) -> Optional[str]:
+    """None when the options keep what loss=<name> promises, else the key that breaks it."""
+    need, none, normalization = _LOSS_NAMES[name]
+
+    def is_set(key: str) -> bool:
+        value = getattr(loss, key)
+        return value is not None and not (key == "top_p" and float(value) == 1.0)
+
+    for key in need:
+        if not is_set(key):
+            return key
+    for key in none:
+        if is_set(key):
+            return key
+    if normalization is not None and loss.normalization != normalization:
+        return "normalization"
+    return None
+
+
+def _check_loss_name(loss: Any) -> None:
+    name = loss.name
+    if name not in _LOSS_NAMES:
+        return
+    key = _keeps_promise(loss, name)
+    if key is not None:
+        fits = _loss_option(loss)
+        undo = f"set loss.{key}" if key in _LOSS_NAMES[name][0] else f"leave loss.{key} at loss={name}'s value"
+        fail(f"loss.{key}", getattr(loss, key), f"contradicts loss={name} (its name would no longer say what it "
+             f"trains): these options make a loss={fits} loss; choose loss={fits} (with its options), or {undo}")
+
+
 _WANDB_MODES = ("online", "offline", "disabled", None)
 
 
@@ -199,6 +274,7 @@ def _check_intermediate(cfg: Any) -> None:
 def validate(cfg: Any) -> None:
     """Check every value before W&B, data, teacher, model or any process group is built; a ``ValueError`` whose one
     line names the key, the value and what it must be."""
+    unknown_keys(cfg)  # a +key the schema does not know (the command line's are refused before composing)
     unresolved(cfg)
     check_data(cfg)
     check_model(cfg)
@@ -212,6 +288,7 @@ def validate(cfg: Any) -> None:
         teacher_vocab = student_vocab  # the teacher is loaded with the student's rows
     kd = KDLossOptions.from_config(cfg.loss).check(teacher_vocab, prefix="loss.")  # the loss's own rules
     SampledKDOptions.from_config(cfg.loss).check(kd, prefix="loss.")
+    _check_loss_name(cfg.loss)
     _check_intermediate(cfg)
     BalancerOptions.from_config(cfg.balancer).check(prefix="balancer.")
     _check_trainer(cfg.trainer, min(s[3] for s in sizes.values()))

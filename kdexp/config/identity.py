@@ -16,4 +16,5 @@ def config_hash(cfg: DictConfig) -> str:
     for key in _IDENTITY_EXCLUDE:
         data.pop(key, None)
     data.pop("hydra", None)
+    data.get("trainer", {}).pop("overwrite", None)  # what happens to an earlier run in the dir, not what is computed
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]

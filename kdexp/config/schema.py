@@ -109,6 +109,9 @@ class TrainerConfig:
     seed: int = 1234
     skip_nonfinite: int = 0  # non-finite steps to skip (no update) before the run stops as diverged
     reuse_finished: bool = True  # in a sweep, a point whose resolved config already finished is not retrained
+    # a run dir that holds another config's run is refused; true deletes that run (checkpoints, metrics, summary,
+    # W&B id) and starts over. Not part of the run's identity (kdexp.config.identity).
+    overwrite: bool = False
     export_hf: bool = False  # at the end, write the distilled student as a Hugging Face checkpoint (run_dir/student_hf)
     # fp32 | bf16: bf16 = bf16 student weights/activations with fp32 master weights, grads and AdamW state; bf16 teacher
     precision: str = "fp32"

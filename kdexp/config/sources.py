@@ -158,9 +158,10 @@ _SPLIT = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*,\s*([0-9]+(?:\.[0-9]*)?)\s*,\s
 def check_data(cfg: Any) -> None:
     d = cfg.data
     choice("data.name", d.name, ("stdlib", "indexed"))
-    integer("data.vocab_size", d.vocab_size, ge=257, lt=1_000_001)
-    integer("data.max_chars", d.max_chars, ge=1)
-    integer("data.max_documents", d.max_documents, ge=1, none_ok=True)
+    # the bounds of the builders (kdexp.data.tokenizer.train_bpe, kdexp.data.corpus._check), checked before any work
+    integer("data.vocab_size", d.vocab_size, ge=512, lt=262_145)
+    integer("data.max_chars", d.max_chars, ge=1000)
+    integer("data.max_documents", d.max_documents, ge=2, none_ok=True)
     number("data.val_fraction", d.val_fraction, gt=0, lt=0.5)
     m = _SPLIT.fullmatch(str(d.split))
     parts = [float(x) for x in m.groups()] if m else None

@@ -106,7 +106,7 @@ _CSS = """body{font-family:sans-serif;margin:2em;max-width:1400px}
 table.kdexp{border-collapse:collapse;margin:1em 0;font-size:0.9em}
 table.kdexp th,table.kdexp td{border:1px solid #bbb;padding:3px 8px;text-align:right}
 table.kdexp th{background:#eee}table.kdexp td:first-child{text-align:left}
-tr.failed td,tr.diverged td{background:#fde2e2}tr.running td{background:#fff6d5}tr.pending td{color:#888}
+tr.failed td,tr.diverged td{background:#fde2e2}tr.running td{background:#fff6d5}tr.pending td{color:#888}tr.interrupted td{background:#eee}
 pre{background:#f6f6f6;padding:0.6em;overflow-x:auto;font-size:0.85em}img{max-width:100%}
 p.live{background:#fff6d5;border:1px solid #e0c060;padding:0.5em}"""
 

@@ -24,7 +24,7 @@ from kdexp.report.stats import Summary, summarize
 from kdexp.report.tables import TABLE_METRICS
 
 CURVE_METRICS = ("train/loss", "val/lm_loss", "val/kl_to_teacher", "val/top1_agreement")
-_STYLE = {"finished": "-", "running": "--", "failed": ":", "diverged": ":", "pending": ":"}
+_STYLE = {"finished": "-", "running": "--", "failed": ":", "diverged": ":", "pending": ":", "interrupted": ":"}
 
 
 def _figure(n_panels: int, width: float = 4.6, height: float = 3.4) -> tuple[Figure, list]:
@@ -77,7 +77,7 @@ def _mean_curve(points: list[Point], metric: str) -> list[tuple[int, Summary]]:
 
 
 def _config_status(c: Configuration) -> str:
-    for status in ("running", "pending", "failed", "diverged"):
+    for status in ("running", "pending", "failed", "diverged", "interrupted"):
         if any(p.status == status for p in c.points):
             return status
     return "finished"

@@ -97,7 +97,11 @@ def _status(summary: Optional[dict], point_json: dict, traceback: Optional[str],
         return recorded
     if traceback is not None:
         return "failed"
-    return "running" if recorded == "running" or curves else "pending"
+    if recorded == "interrupted":
+        return recorded
+    status = "running" if recorded == "running" or curves else "pending"
+    # a point recorded running whose process is gone (its pid here, or its heartbeat stale) is interrupted
+    return records.liveness({**point_json, "status": status}) if point_json else status
 
 
 def load_point(run_dir: str | Path, root: Optional[str | Path] = None) -> Point:
@@ -122,7 +126,7 @@ def load_point(run_dir: str | Path, root: Optional[str | Path] = None) -> Point:
 
     curves = read_metrics(run_dir / records.METRICS)
     reused_from = (summary or {}).get("reused_from")
-    if not curves and reused_from:  # a reused point copies the summary only; its curves are in the earlier run
+    if not curves and reused_from:  # a point reused before reused points kept their own copy of the curves
         curves = read_metrics(Path(reused_from) / records.METRICS)
     error_log = run_dir / records.ERROR_LOG
     traceback = error_log.read_text(errors="replace") if error_log.is_file() else None
@@ -157,7 +161,7 @@ def _planned_points(root: Path, found: list[Point]) -> list[Point]:
                 continue
         elif entry.get("num") in have_nums:
             continue
-        status = entry.get("status") or "pending"
+        status = records.liveness({**entry, "status": entry.get("status") or "pending"}, root)
         status = "finished" if status in records.ENDED_WELL else status
         extra.append(Point(name=entry.get("name") or (Path(run_dir).name if run_dir else f"#{entry.get('num')}"),
                            run_dir=None, overrides=records.parse_overrides(entry.get("overrides") or []), config={},

@@ -278,7 +278,7 @@ def to_html(table: Table, css_class: str = "kdexp") -> str:
 
 def summary_line(sweep: Sweep) -> str:
     c = sweep.counts()
-    parts = [f"{c[s]} {s}" for s in ("finished", "failed", "diverged", "running", "pending") if c[s]]
+    parts = [f"{c[s]} {s}" for s in ("finished", "failed", "diverged", "interrupted", "running", "pending") if c[s]]
     return f"{len(sweep.points)} point{'s' if len(sweep.points) != 1 else ''}: " + ", ".join(parts)
 
 

@@ -18,6 +18,7 @@ kdexp.track.hydra_adapter.
 """
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import traceback
@@ -36,6 +37,11 @@ from kdexp.track.points import (end_lines, progress_line, rebuild_sweep, record_
 from kdexp.track.rundir import sweep_dir as hydra_sweep_dir
 
 
+# directory -> records.Heartbeat: the sweep's (submitting process) and a point's (job process). In the module, not on
+# the callback: submitit pickles the callback (with the launcher) to its workers, and a thread does not pickle.
+_BEATS: dict = {}
+
+
 class SweepCallback(Callback):
     """Hydra callback keeping sweep.json current; see the module docstring.
 
@@ -48,6 +54,14 @@ class SweepCallback(Callback):
         self.keep_going = keep_going
         self.fail_exit = fail_exit
         self.report = report
+
+    @staticmethod
+    def _beat(directory: Path, on: bool) -> None:
+        """Start or stop the heartbeat that tells a later look (records.liveness) this process is still there."""
+        if on and directory not in _BEATS:
+            _BEATS[directory] = records.Heartbeat(directory).start()
+        elif not on and directory in _BEATS:
+            _BEATS.pop(directory).stop()
 
     def _refresh_report(self, sweep_dir: Path, live: Optional[bool] = None) -> None:
         if not self.report:
@@ -65,6 +79,7 @@ class SweepCallback(Callback):
             return
         sweep_dir = hydra_sweep_dir(config.hydra)
         sweep_dir.mkdir(parents=True, exist_ok=True)
+        self._beat(sweep_dir, True)  # the pending points have a launcher until on_multirun_end
         planned = plan_points(config.hydra)
         if planned is not None:
             keys = sweep_keys(planned)
@@ -85,6 +100,7 @@ class SweepCallback(Callback):
         if global_rank() != 0:
             return
         sweep = rebuild_sweep(hydra_sweep_dir(config.hydra))
+        self._beat(hydra_sweep_dir(config.hydra), False)
         self._refresh_report(hydra_sweep_dir(config.hydra), live=False)
         print("\n".join(end_lines(sweep, dashboard=self.report)), flush=True)
         if self.fail_exit and any(sweep["counts"][s] for s in records.ENDED_BADLY):
@@ -100,8 +116,9 @@ class SweepCallback(Callback):
         attempt = int(previous.get("attempt", 0)) + 1
         if attempt > 1:
             set_aside_error_log(run_dir, attempt)
+        self._beat(run_dir, True)
         record_point(run_dir, "running", metrics={}, attempt=attempt, started=records.now(),
-                     host=socket.gethostname(), slurm_job_id=slurm_job_id())
+                     host=socket.gethostname(), pid=os.getpid(), slurm_job_id=slurm_job_id())
         rebuild_sweep(hydra_sweep_dir(config.hydra))
         self._refresh_report(hydra_sweep_dir(config.hydra))  # the dashboard shows this point running
 
@@ -112,6 +129,7 @@ class SweepCallback(Callback):
         if exc is not None:  # every rank: the traceback goes to this task's log (submitit keeps one per task)
             sys.stderr.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
         point = self._record_end(config, job_return, exc) if global_rank() == 0 else None
+        self._beat(Path(config.hydra.runtime.output_dir), False)
         if exc is not None and self.keep_going:
             status = (point or {}).get("status", "failed")
             keep_going_past(job_return, {"status": status, "error": f"{type(exc).__name__}: {exc}"})

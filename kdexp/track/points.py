@@ -114,6 +114,9 @@ def rebuild_sweep(sweep_dir: str | Path) -> dict:
         for p in _walk_points(sweep_dir):
             by_key.pop(("dir", p.get("run_dir")), None)
             by_key[_key(p)] = {**by_key.get(_key(p), {}), **p}  # keeps the plan's fields (name) under the point's
+        # a point recorded pending/running whose process is gone is "interrupted" (records.liveness)
+        for key, p in by_key.items():
+            by_key[key] = {**p, "status": records.liveness(p, sweep_dir)}
         points = sorted(by_key.values(), key=lambda p: (p.get("num") is None, p.get("num") or 0, p.get("run_dir")))
         counts = {s: sum(p.get("status") == s for p in points) for s in records.STATUSES}
         sweep = {"sweep_dir": str(sweep_dir), "total": old.get("total", len(points)) or len(points),
@@ -155,7 +158,8 @@ def end_lines(sweep: Mapping[str, Any], dashboard: bool = False) -> list[str]:
     command that uploads the sweep's offline W&B runs."""
     c = sweep["counts"]
     lines = [f"[sweep] ended: {c['finished']} finished, {c['reused']} reused, {c['failed']} failed,"
-             f" {c['diverged']} diverged, {c['running'] + c['pending']} not finished, of {sweep['total']}"
+             f" {c['diverged']} diverged, {c['running'] + c['pending']} not finished"
+             + (f", {c['interrupted']} interrupted" if c.get("interrupted") else "") + f", of {sweep['total']}"
              f" - {Path(sweep['sweep_dir']) / records.SWEEP}"]
     for p in sweep["points"]:
         if p.get("status") in records.ENDED_BADLY:

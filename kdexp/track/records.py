@@ -15,6 +15,7 @@ import math
 import os
 import socket
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,13 +25,16 @@ from typing import Any, Iterable, Iterator, Optional
 SUMMARY = "summary.json"  # written last and atomically: the run ended (status finished, reused or diverged)
 METRICS = "metrics.jsonl"
 POINT = "point.json"
+HEARTBEAT = "heartbeat"  # its mtime is the last sign of life of a running point (or, in a sweep dir, of its launcher)
+RUN = "run.json"  # {"config_hash"}: written when a run starts in a dir, the identity of the run that dir holds
 SWEEP = "sweep.json"
 RUN_LOG = "run.log"
 ERROR_LOG = "error.log"
 
 # pending/running: not ended; finished/reused: ended well; failed: an exception; diverged: a non-finite loss or
-# gradient norm stopped it (its last finite checkpoint is kept)
-STATUSES = ("pending", "running", "finished", "reused", "failed", "diverged")
+# gradient norm stopped it (its last finite checkpoint is kept); interrupted: recorded pending or running, but the
+# process that would end it is gone (``liveness``): killed, preempted and not yet requeued, or its sweep was stopped
+STATUSES = ("pending", "running", "finished", "reused", "failed", "diverged", "interrupted")
 ENDED_WELL = ("finished", "reused")
 ENDED_BADLY = ("failed", "diverged")  # a sweep with such a point exits with status 1
 
@@ -212,3 +216,84 @@ def locked(path: Path) -> Iterator[None]:
         except OSError:
             pass
         yield
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# is the process behind a "running" (or "pending") record still there?
+#
+# A heartbeat file, not only a pid: the report and the next sweep look from another host than the SLURM node that
+# ran the point, where a pid means nothing, and squeue needs SLURM (a sweep copied to a laptop has none). The file's
+# mtime is set on the shared filesystem the sweep dir lives on, so any host that sees the dir sees the beat; a beat
+# every HEARTBEAT_S and a verdict only after STALE_S (10 beats missed) leaves ample room for clock skew and a slow
+# filesystem. On the host that wrote the record, a pid that no longer exists says the same at once.
+
+HEARTBEAT_S = 30.0
+STALE_S = 300.0
+
+
+def beat(directory: str | os.PathLike) -> None:
+    """Touch ``directory``/heartbeat (a sign of life; errors are ignored: a full disk must not stop training)."""
+    path = Path(directory) / HEARTBEAT
+    try:
+        path.touch()
+    except OSError:
+        pass
+
+
+def _stale(directory: str | os.PathLike, now: float) -> Optional[bool]:
+    """True when the heartbeat is older than STALE_S, False when fresh, None when there is none."""
+    try:
+        return now - (Path(directory) / HEARTBEAT).stat().st_mtime > STALE_S
+    except OSError:
+        return None
+
+
+def _pid_gone(point: dict) -> bool:
+    """The record's process is known to be gone: same host, and no process with its pid."""
+    pid = point.get("pid")
+    if not isinstance(pid, int) or point.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: a process of another user holds the pid: alive as far as we can tell
+        return False
+    return False
+
+
+def liveness(point: dict, sweep_dir: Optional[str | os.PathLike] = None, now: Optional[float] = None) -> str:
+    """The status of a point record as it stands now: "interrupted" for a "running" point whose process is gone (its
+    pid on this host, or its heartbeat stale) and for a "pending" point of a sweep whose launching process is gone
+    (the sweep dir's heartbeat stale and the point never started); else the recorded status."""
+    status = point.get("status")
+    now = time.time() if now is None else now
+    if status == "running":
+        if _pid_gone(point):
+            return "interrupted"
+        run_dir = point.get("run_dir")
+        return "interrupted" if run_dir and _stale(run_dir, now) else status
+    if status == "pending" and sweep_dir is not None and _stale(sweep_dir, now):
+        return "interrupted"
+    return status
+
+
+class Heartbeat:
+    """A daemon thread that beats ``directory``/heartbeat every HEARTBEAT_S until ``stop()`` or the process ends."""
+
+    def __init__(self, directory: str | os.PathLike, interval: float = HEARTBEAT_S) -> None:
+        self.directory, self.interval = Path(directory), interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kdexp-heartbeat:{self.directory}", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            beat(self.directory)
+
+    def start(self) -> "Heartbeat":
+        beat(self.directory)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -10,6 +10,7 @@ cache, in every job of one sweep (a sweep dir that names no time at all still ne
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 import uuid
@@ -19,6 +20,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 from kdexp.distributed.launch import launch_env
+from kdexp.track import records
 from kdexp.track.records import read_json, write_json
 
 _STAMP_KEY = "KDEXP_RUN_STAMP"
@@ -110,3 +112,98 @@ class PointIndex:
 
     def claim(self, key: str, run_dir: Path) -> None:
         write_json(self.root / f"{key}.json", {"run_dir": str(Path(run_dir).resolve())})
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# whose run a run dir holds
+
+
+class RunDirTaken(ValueError):
+    """A run dir that holds another config's run: refused before anything is written (exit 2 for a single run)."""
+
+
+def owner(run_dir: Path) -> Optional[str]:
+    """The config hash of the run ``run_dir`` holds: its run.json (written when a run starts), else its summary.json
+    (a run that ended before run.json existed); None for a dir that holds no run."""
+    for name in (records.RUN, records.SUMMARY):
+        data = read_json(Path(run_dir) / name)
+        if isinstance(data, dict) and isinstance(data.get("config_hash"), str):
+            return data["config_hash"]
+    return None
+
+
+# What a run writes into its run dir, removed when the user asks to start over (trainer.overwrite=true). Hydra's
+# .hydra/ is rewritten by Hydra itself; logs are appended; the W&B id goes so that the new run gets its own record.
+_RUN_OUTPUTS = (records.SUMMARY, records.METRICS, records.RUN, "wandb_id", "checkpoints", "student_hf")
+
+
+def claim(run_dir: Path, key: str, *, overwrite: bool) -> None:
+    """Make ``run_dir`` this config's (``key``) run dir, on global rank 0 (the others only check).
+
+    Another config's run there is refused (RunDirTaken naming both hashes and the two ways on) unless ``overwrite``,
+    which removes that run's outputs first (its checkpoints, metrics, summary and W&B id): a rerun never silently
+    overwrites a finished run nor reuses its W&B record."""
+    run_dir = Path(run_dir)
+    held = owner(run_dir)
+    if held is not None and held != key:
+        if not overwrite:
+            raise RunDirTaken(f"{run_dir} holds the run of another config ({held}; this config is {key}): not "
+                              "overwritten; use another run dir (hydra.run.dir=...), or trainer.overwrite=true to "
+                              "delete that run and start over")
+        if launch_env().rank == 0:
+            for name in _RUN_OUTPUTS:
+                path = run_dir / name
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink(missing_ok=True)
+    if launch_env().rank == 0 and held != key:
+        write_json(run_dir / records.RUN, {"config_hash": key})
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# reusing a finished point of an earlier sweep
+
+
+def wandb_id(run_dir: Path) -> Optional[str]:
+    """The W&B run id a run dir's run logged to (kdexp.track.wandb_logger keeps it in ``wandb_id``), or None."""
+    try:
+        return (Path(run_dir) / "wandb_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def verified_summary(previous: Path, key: str) -> tuple[Optional[dict], Optional[str]]:
+    """(the summary of ``previous``, None) when it is the ended run of config ``key`` with the files it claims, else
+    (None, why not). The points index only says where a config ran once; the dir may since hold another run, be
+    torn or be a copy: what is reused is checked, not trusted."""
+    previous = Path(previous)
+    summary = read_json(previous / records.SUMMARY)
+    if not isinstance(summary, dict):
+        return None, f"its {records.SUMMARY} is missing or unreadable"
+    if summary.get("config_hash") != key:
+        return None, f"its {records.SUMMARY} is of config {summary.get('config_hash')}, not {key}"
+    held = owner(previous)
+    if held != key:
+        return None, f"it now holds the run of config {held}"
+    if records.ended_status(summary) is None:
+        return None, f"its {records.SUMMARY} has no ended status ({summary.get('status')!r})"
+    lines = records.read_jsonl(previous / records.METRICS)
+    if summary.get("status") == "finished":
+        steps = [r.get("step") for r in lines if r.get("kind") == "train"]
+        if not steps or max(steps) != summary.get("steps"):
+            return None, (f"its {records.METRICS} ends at step {max(steps) if steps else None}, its summary says "
+                          f"{summary.get('steps')} steps")
+    return summary, None
+
+
+def copy_record(previous: Path, run_dir: Path) -> None:
+    """The curves (metrics.jsonl) and the W&B id of ``previous`` into ``run_dir`` (a reused point), atomically."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for name in (records.METRICS, "wandb_id"):
+        src = Path(previous) / name
+        if src.is_file():
+            tmp = run_dir / f".{name}.tmp"
+            shutil.copyfile(src, tmp)
+            os.replace(tmp, run_dir / name)

@@ -15,6 +15,13 @@ of them, so a torn or corrupt latest falls back to the previous intact step with
 and under TP no two ranks load different steps. Never a silent restart from 0: a ``latest`` pointer with no step
 left on disk, or only corrupt steps, is an error that names the files.
 
+Nothing read back runs code: a file is loaded with ``torch.load(weights_only=True)`` (torch's restricted unpickler:
+tensors, dtypes, sizes and plain containers and numbers only), and ``save`` refuses a state holding anything else, so
+every checkpoint it writes loads that way. A file that asks the unpickler for anything else (a crafted pickle whose
+``__reduce__`` calls a function) is refused before any of it runs; that is an error naming the file, never a
+fallback to an older step, since the run dir has been tampered with. The sha256 manifest guards against torn and
+damaged files, not against a crafted file with a matching manifest: the unpickler does.
+
 Rotation keeps the step just written and the newest ``keep - 1`` complete steps before it; step dirs after it are
 from an abandoned timeline (another config, or a corrupt step this run fell back from) and are removed.
 """
@@ -22,7 +29,10 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
+import re
 import shutil
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Optional
 
@@ -73,6 +83,32 @@ def _atomic_write(path: Path, write) -> None:
 
 def _atomic_torch_save(obj: Any, path: Path) -> None:
     _atomic_write(path, lambda f: torch.save(obj, f))
+
+
+# What torch.load(weights_only=True) rebuilds (torch._weights_only_unpickler's allowed globals), checked by exact type
+# for containers: a dict subclass (defaultdict) or any other object would make the file unloadable.
+_LEAVES = (str, bytes, int, float, bool, complex, type(None), torch.Tensor, torch.Size, torch.dtype, torch.device)
+_CONTAINERS = (dict, OrderedDict, list, tuple)
+
+
+def check_plain(obj: Any, where: str = "state") -> None:
+    """TypeError naming the first entry of a checkpoint state that is not a tensor or a plain value: it would not
+    load with weights_only=True. A bug in the state_dict that produced it, caught at the save, not at a resume."""
+    if type(obj) in _CONTAINERS:
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        for k, v in items:
+            if isinstance(obj, dict) and not isinstance(k, (str, int)):
+                raise TypeError(f"checkpoint {where} has a key {k!r} of type {type(k).__qualname__}: a checkpoint "
+                                "holds only str/int keys (it loads with torch.load(weights_only=True))")
+            check_plain(v, f"{where}[{k!r}]")
+    elif not isinstance(obj, _LEAVES):
+        raise TypeError(f"checkpoint {where} is a {type(obj).__module__}.{type(obj).__qualname__}: a checkpoint holds "
+                        "only tensors and plain values (it loads with torch.load(weights_only=True)); convert it in "
+                        "the state_dict that produced it")
+
+
+class UnsafeCheckpoint(RuntimeError):
+    """A checkpoint file that asks the unpickler for more than tensors and plain values: refused, never run."""
 
 
 def _manifest(path: Path) -> Path:
@@ -132,6 +168,7 @@ def save(ckpt_dir: Path, step: int, state: dict[str, Any], *, keep: int = 2) -> 
     """Write step `step` (collective: every rank calls it), point ``latest`` at it, rotate to `keep` steps."""
     if keep < 1:
         raise ValueError(f"keep={keep} must be >= 1")
+    check_plain(state)  # before anything is written: every file here loads with weights_only=True
     st = distributed.state()
     ckpt_dir = Path(ckpt_dir)
     target = step_dir(ckpt_dir, step)
@@ -183,14 +220,35 @@ def _candidates(ckpt_dir: Path) -> tuple[list[int], Optional[str]]:
     return sorted(on_disk, reverse=True), None
 
 
+_UNSAFE = "refused: "  # the prefix of a reason that stops the resume (load() raises UnsafeCheckpoint)
+
+
+def read_state(path: Path) -> Any:
+    """torch.load with weights_only=True on the CPU; UnsafeCheckpoint when the file asks for anything else."""
+    try:
+        # on the CPU: torch.set_rng_state takes a CPU tensor and AdamW's `step` counters must stay on the host;
+        # load_state_dict moves weights and moments to the model's device
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        # a file that names a function or class beyond the allowed ones ("unsupported GLOBAL posix.system") was made
+        # to run it; any other refusal (a torn or foreign file: "Unsupported operand") is a file that does not load
+        named = re.search(r"GLOBAL ([\w.]+)", str(exc))
+        if named is None:
+            raise
+        raise UnsafeCheckpoint(f"{path} is not a kdexp checkpoint: it asks the unpickler for {named.group(1)}, not "
+                               "only tensors and plain values, so it could run code and was not loaded; kdexp never "
+                               f"writes such a file: remove {path.parent} (or the run dir) if you did not put it "
+                               "there") from None
+
+
 def _load_local(path: Path) -> tuple[Optional[dict], Optional[str]]:
     reason = verify(path)
     if reason is not None:
         return None, reason
     try:
-        # on the CPU: torch.set_rng_state takes a CPU tensor and AdamW's `step` counters must stay on the host;
-        # load_state_dict moves weights and moments to the model's device
-        return torch.load(path, map_location="cpu", weights_only=False), None
+        return read_state(path), None
+    except UnsafeCheckpoint as exc:
+        return None, _UNSAFE + str(exc)
     except Exception as exc:  # noqa: BLE001 - a checksummed file that does not unpickle is not loadable either
         return None, f"{path} does not load: {type(exc).__name__}: {exc}"
 
@@ -211,6 +269,9 @@ def load(ckpt_dir: Path, *, config_hash: Optional[str] = None) -> Optional[dict[
         if state is not None and state.get("step") != step:
             state, reason = None, f"{step_dir(ckpt_dir, step)}/tp{st.tp_rank}.pt holds step {state.get('step')}"
         reasons = sorted({r for r in _gather(reason) if r is not None})
+        unsafe = [r.removeprefix(_UNSAFE) for r in reasons if r.startswith(_UNSAFE)]
+        if unsafe:  # a tampered run dir: every rank stops here, no fallback to an older step of it
+            raise UnsafeCheckpoint("; ".join(unsafe))
         if not reasons:
             if bad and st.rank == 0:
                 log.warning("resuming from the intact step %d instead", step)

@@ -85,10 +85,16 @@ def _run_point(cfg, run_dir: Path, multirun: bool, overrides: list, hc) -> dict:
     index = rundir.PointIndex(cfg.paths.index)
     previous = index.lookup(key) if (multirun and cfg.trainer.reuse_finished) else None
     if previous is not None and previous.resolve() != run_dir.resolve():
-        earlier = records.read_json(previous / records.SUMMARY)
+        earlier, problem = rundir.verified_summary(previous, key)
+        if problem is not None and rank0:
+            log.warning("not reusing %s: %s; training this point", previous, problem)
         if earlier is not None and earlier.get("status") in (*records.ENDED_WELL, "diverged"):
-            summary = {**earlier, "overrides": overrides, "reused_from": str(previous)}
+            summary = {**earlier, "overrides": overrides, "reused_from": str(previous),
+                       "wandb_id": earlier.get("wandb_id") or rundir.wandb_id(previous)}
             if rank0:
+                # the point keeps its own copy of the curves and the W&B id of the run that trained it, so that it
+                # still has them when the sweep it came from is moved or deleted
+                rundir.copy_record(previous, run_dir)
                 records.write_json(run_dir / records.SUMMARY, summary)  # SweepCallback marks the point reused
                 log.info("reused %s point %s (same resolved config %s)",
                          "diverged" if earlier["status"] == "diverged" else "finished", previous, key)
@@ -117,7 +123,7 @@ def _run_point(cfg, run_dir: Path, multirun: bool, overrides: list, hc) -> dict:
     wandb_logger = WandbLogger(cfg, run_dir, enabled=distributed.is_rank0(), overrides=overrides,
                                **sweep.wandb_names(hc))
     record = {"config_hash": key, "overrides": overrides, "steps": cfg.trainer.max_steps, "reused_from": None,
-              "run_dir": str(run_dir)}
+              "run_dir": str(run_dir), "wandb_id": rundir.wandb_id(run_dir)}
     try:
         final, student = distill(cfg, run_dir, config_hash=key, resume_from=previous, wandb_logger=wandb_logger)
         if cfg.trainer.export_hf:  # every rank: save_hf gathers the TP shards, rank 0 writes
