@@ -255,19 +255,55 @@ def plot_arms(sweep: Sweep, path: str | Path, metrics: tuple[str, ...] = TABLE_M
     return _save(fig, path)
 
 
-def write_plots(sweep: Sweep, out_dir: str | Path) -> dict[str, Path]:
-    """All plots of the sweep into ``out_dir``: {'curves': .., 'arms': .., 'vs <key>': ..} for those that apply.
-    PNGs of an earlier report of the same dir that no longer apply are removed."""
+COST_AXES = ("cost/total_device_hours", "cost/tflop")
+
+
+def plot_quality_vs_cost(sweep: Sweep, path: str | Path, quality: str = "val/kl_to_teacher",
+                         axes_keys: tuple[str, ...] = COST_AXES) -> Optional[Path]:
+    """``quality`` (final) against each cost axis (device-hours: machine-dependent; TFLOP: not): a dot per finished
+    point (seed), and per configuration its mean with error bars (the 95% t interval, 3+ seeds). None when no
+    finished point has both."""
+    configs = [c for c in configurations(sweep)
+               if any(quality in p.final and k in p.final for p in c.finished for k in axes_keys)]
+    keys = [k for k in axes_keys if any(k in p.final for c in configs for p in c.finished)]
+    if not configs or not keys:
+        return None
+    fig, axes = _figure(len(keys))
+    for ax, key in zip(axes, keys):
+        for i, c in enumerate(configs):
+            pts = [(p.final[key], p.final[quality]) for p in c.finished if key in p.final and quality in p.final]
+            if not pts:
+                continue
+            color = f"C{i % 10}"
+            ax.plot([x for x, _ in pts], [y for _, y in pts], ".", color=color, alpha=0.5, markersize=5)
+            sx, sy = c.summary(key), c.summary(quality)
+            if sx.mean is not None and sy.mean is not None:
+                ax.errorbar([sx.mean], [sy.mean], xerr=_yerr([sx]), yerr=_yerr([sy]), fmt="o", color=color,
+                            markersize=7, capsize=3, label=f"{c.label} (n={len(pts)})")
+        ax.set_xlabel(metric_label(key))
+        ax.set_ylabel(metric_label(quality))
+        ax.grid(alpha=0.3)
+    _legend(fig, axes, len(configs))
+    fig.suptitle(f"{quality} against cost; dots: each seed, markers: mean" +
+                 (", error bars: 95% t interval (3+ seeds)" if has_replicates(sweep) else ""), fontsize="small")
+    return _save(fig, path)
+
+
+def write_plots(sweep: Sweep, out_dir: str | Path, quality: str = "val/kl_to_teacher") -> dict[str, Path]:
+    """All plots of the sweep into ``out_dir``: {'curves': .., 'arms': .., 'vs <key>': .., 'quality vs cost': ..}
+    for those that apply (``quality``: the metric drawn against cost). PNGs of an earlier report of the same dir
+    that no longer apply are removed."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    plots: dict[str, Optional[Path]] = {"curves": plot_curves(sweep, out_dir / "curves.png")}
+    plots: dict[str, Optional[Path]] = {"curves": plot_curves(sweep, out_dir / "curves.png"),
+                                        "quality vs cost": plot_quality_vs_cost(sweep, out_dir / "cost.png", quality)}
     if sweep.arms:
         plots["arms"] = plot_arms(sweep, out_dir / "arms.png")
     for key in sweep.config_keys:  # the seed is not a parameter to plot against: it is what the error bars are over
         plots[f"vs {key}"] = plot_metric_vs_param(sweep, key, out_dir / f"vs_{safe_name(key)}.png")
     plots = {k: v for k, v in plots.items() if v is not None}
     # after the new files exist (a live page keeps showing the old ones until then): drop those that no longer apply
-    for old in [*out_dir.glob("vs_*.png"), out_dir / "curves.png", out_dir / "arms.png"]:
+    for old in [*out_dir.glob("vs_*.png"), out_dir / "curves.png", out_dir / "arms.png", out_dir / "cost.png"]:
         if old not in plots.values():
             old.unlink(missing_ok=True)
     return plots

@@ -18,12 +18,16 @@ from kdexp.report.ranges import clipped
 from kdexp.report.stats import Difference, Summary, compare, summarize
 
 TIMING_PREFIXES = ("perf/",)
+# the cost/* metrics (kdexp.report.cost) that measure the machine too: device-hours and tokens/s
+TIMING_KEYS = frozenset({"cost/total_device_hours", "cost/device_hours", "cost/cache_device_hours",
+                         "cost/tokens_per_s"})
 MACHINE_NOTE = "machine-dependent"
 
 
 def is_timing(metric: str) -> bool:
-    """perf/* (tokens/s, step time): what the machine did under its load then, not what the configuration does."""
-    return metric.startswith(TIMING_PREFIXES)
+    """perf/* (tokens/s, step time) and the device-hours / tokens/s of cost/*: what the machine did under its load
+    then, not what the configuration does."""
+    return metric.startswith(TIMING_PREFIXES) or metric in TIMING_KEYS
 
 
 def metric_label(metric: str) -> str:
@@ -154,4 +158,4 @@ def rank(configs: list[Configuration], metric: str, goal: Optional[str]) -> Opti
 
 
 __all__ = ["Configuration", "Ranking", "configurations", "has_replicates", "rank", "is_timing", "metric_label",
-           "TIMING_PREFIXES", "MACHINE_NOTE"]
+           "TIMING_PREFIXES", "TIMING_KEYS", "MACHINE_NOTE"]
