@@ -21,6 +21,7 @@ from kdexp.report.comparisons import configurations_table, differences_table
 from kdexp.report.cost import DEFAULT_QUALITY, cost_table
 from kdexp.report.model import Sweep
 from kdexp.report.plots import write_plots
+from kdexp.report.ranges import MIN_INTERVAL_N
 from kdexp.report.replicates import TIMING_PREFIXES
 from kdexp.track.records import ENDED_BADLY
 from kdexp.report.tables import (Table, arms_table, best_lines, best_points, points_table, summary_line, to_html,
@@ -29,7 +30,9 @@ from kdexp.report.tables import (Table, arms_table, best_lines, best_points, poi
 TRACEBACK_LINES = 40  # the tail of error.log shown per failed point
 REFRESH_S = 10  # how often a live page reloads itself
 HOW_TO_READ = ("Over replicates (points that differ only in trainer.seed) a cell is mean ± std [95% Student-t interval "
-               "of the mean]. Differences are paired by seed; significant = their 95% interval excludes 0 (p < 0.05), "
+               f"of the mean], the interval shown from {MIN_INTERVAL_N} replicates on and clipped to the metric's "
+               "valid range (the notes under a table say when). Exact ties are reported as ties. "
+               "Differences are paired by seed; significant = their 95% interval excludes 0 (p < 0.05), "
                "for that one comparison (no correction for the many in a table). "
                f"Timing metrics ({', '.join(p + '*' for p in TIMING_PREFIXES)}) are machine-dependent: they measure "
                "the load the machine had while a point ran and are never ranked.")

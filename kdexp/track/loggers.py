@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from kdexp.track import records
+from kdexp.track import records, tensorboard
 from kdexp.track.naming import swept_keys, wandb_names
 from kdexp.track.wandb_logger import WandbLogger
 
@@ -28,6 +28,7 @@ class RunContext:
     overrides: list[str] = field(default_factory=list)
     swept: list[str] = field(default_factory=list)  # override keys the sweep varies (its other points differ in)
     choices: dict[str, str] = field(default_factory=dict)  # Hydra config group -> option (experiment, arm, ...)
+    sweep_dir: Optional[Path] = None  # the multirun's dir (None for a single run)
 
     @classmethod
     def from_hydra(cls, hc: Any, overrides: Optional[list] = None) -> "RunContext":
@@ -36,13 +37,10 @@ class RunContext:
         choices = {str(k): str(v) for k, v in dict(_get(_get(hc, "runtime"), "choices") or {}).items()
                    if v is not None and not records.is_hydra_key(str(k))}
         task = list(overrides if overrides is not None else _get(_get(hc, "overrides"), "task") or [])
+        sweep_dir = _get(hc, "sweep") if names["job_type"] == "sweep" else None
         return cls(group=names["group"], name=names["name"], job_type=names["job_type"], overrides=task,
-                   swept=list(swept_keys(hc) or []), choices=choices)
-
-    def swept_values(self) -> dict[str, Any]:
-        """Swept key -> its value as typed (parsed the way Hydra types it: '1.0' a float, 'topk' a string)."""
-        given = records.parse_overrides(self.overrides)
-        return {k: records.parse_scalar(given[k]) for k in self.swept if k in given}
+                   swept=list(swept_keys(hc) or []), choices=choices,
+                   sweep_dir=Path(str(_get(sweep_dir, "dir"))) if sweep_dir is not None else None)
 
 
 def _get(node: Any, key: str) -> Any:
@@ -79,10 +77,9 @@ class RunLoggers:
         self.wandb = WandbLogger(cfg, run_dir, enabled=enabled, name=ctx.name, group=ctx.group,
                                  job_type=ctx.job_type, overrides=ctx.overrides, tags=tags, extra_config=extra)
         self.tensorboard = None
-        if enabled and _tensorboard_on(cfg):
-            from kdexp.track.tensorboard import TensorBoardLogger
-
-            self.tensorboard = TensorBoardLogger(run_dir, hparams=ctx.swept_values(), reused_from=reused_from)
+        if enabled and tensorboard.enabled_in(cfg):
+            self.tensorboard = tensorboard.TensorBoardLogger(run_dir, name=ctx.name, overrides=ctx.overrides,
+                                                             sweep_dir=ctx.sweep_dir, reused_from=reused_from)
 
     @property
     def run(self):
@@ -101,12 +98,8 @@ class RunLoggers:
     def finish(self, exit_code: int = 0) -> None:
         self.wandb.finish(exit_code)
         if self.tensorboard is not None:
-            self.tensorboard.close()
-
-
-def _tensorboard_on(cfg: Any) -> bool:
-    value = _select(cfg, "logger.tensorboard")
-    return bool(value) if value is not None else False
+            self.tensorboard.close(exit_code)
+            self.tensorboard = None
 
 
 def open_loggers(cfg, run_dir: Path, hc: Any, *, enabled: bool, overrides: Optional[list] = None) -> RunLoggers:
