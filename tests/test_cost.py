@@ -106,3 +106,21 @@ def test_points_without_cost_records_have_no_cost_section(tmp_path):
     sweep = load_sweep(tmp_path / "s")
     assert cost_table(sweep) is None and not any(k.startswith("cost/") for k in sweep.points[0].final)
     assert math.isfinite(sweep.points[0].final["val/kl_to_teacher"])
+
+
+def test_cost_from_a_wandb_group():
+    """kdexp.train.point logs the cost record into the W&B summary: a report from the group has the same cost."""
+    from kdexp.report import load_wandb_group
+    from test_report import FakeApi, FakeRun
+
+    runs = []
+    for i, alpha in enumerate((0.5, 1.0)):
+        cost = {"wall_s": 360.0 * (i + 1), "device_count": 2, "device_kind": "NVIDIA H100", "device_hours": 0.2 * (i + 1),
+                "tokens": 36_000, "student_flops": 3e12, "teacher_forward_flops": 1e12, "cache": None}
+        runs.append(FakeRun(f"balancer.alpha={alpha}", "finished", tiny_config(alpha, "topk"),
+                            {"val/kl_to_teacher": 1.0 - i / 10, "cost": cost, "_step": 4},
+                            [{"_step": 4, "val/kl_to_teacher": 1.0 - i / 10}]))
+    sweep = load_wandb_group("g", api=FakeApi(runs))
+    assert [p.final["cost/total_device_hours"] for p in sweep.points] == pytest.approx([0.2, 0.4])
+    assert [p.final["cost/tflop"] for p in sweep.points] == pytest.approx([4.0, 4.0])
+    assert cost_table(sweep).text[1][2] == "2 x NVIDIA H100"

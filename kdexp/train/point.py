@@ -142,7 +142,7 @@ def _run_point(cfg, run_dir: Path, multirun: bool, overrides: list, hc) -> dict:
                "skipped_steps": int(final.get("train/skipped_steps", 0)),
                "cost": run_cost(cfg, wall_s=wall_s, device=distributed.state().device)}  # kdexp.track.cost
     if distributed.is_rank0():
-        wandb_logger.summary(final)
+        wandb_logger.summary({**final, "cost": summary["cost"]})  # W&B keeps the cost too (a report from the group)
         records.write_json(run_dir / records.SUMMARY, summary)  # last: its presence means the run finished
         index.claim(key, run_dir)  # later identical points reuse this finished run (it may have resumed another's)
         log.info("run dir: %s\n  metrics: %s\n  summary: %s%s", run_dir, run_dir / "metrics.jsonl",
