@@ -124,3 +124,26 @@ def test_cost_from_a_wandb_group():
     assert [p.final["cost/total_device_hours"] for p in sweep.points] == pytest.approx([0.2, 0.4])
     assert [p.final["cost/tflop"] for p in sweep.points] == pytest.approx([4.0, 4.0])
     assert cost_table(sweep).text[1][2] == "2 x NVIDIA H100"
+
+
+def test_a_cache_build_records_its_cost_and_the_run_names_the_cache(tmp_path):
+    """The build writes what it cost into the manifest; opening the cache notes it for the run's cost record."""
+    import json
+
+    import _teacher_cache_worker as w
+    from _lone_process import lone_process
+    from kdexp.teacher.writer import ensure_at
+
+    lay = w.layout()
+    path = tmp_path / "cache"
+    with lone_process(seed=0):
+        ensure_at(path, w.key(lay), lay, w.FakeTeacher(), w.dataset(), 2)
+    build = json.loads((path / "manifest.json").read_text())["build"]
+    assert build["tokens"] == lay.samples * lay.seq_length and build["shards_written"] == lay.shards
+    assert build["shards_kept"] == 0 and build["device_count"] == 1 and build["device_kind"].startswith("cpu")
+    assert build["wall_s"] > 0 and build["device_hours"] == pytest.approx(build["wall_s"] / 3600)
+    assert track_cost._USED_CACHE == [str(path)]
+    with lone_process(seed=0):  # a second run opens the finished cache: noted again, nothing rebuilt
+        ensure_at(path, w.key(lay), lay, w.FakeTeacher(), w.dataset(), 2)
+    assert json.loads((path / "manifest.json").read_text())["build"] == build
+    track_cost._USED_CACHE.clear()
