@@ -98,6 +98,11 @@ def test_cost_metrics_table_and_plot(tmp_path):
     md = files.markdown.read_text()
     assert "## Cost per configuration" in md and "cost/total_device_hours (machine-dependent)" in md
     assert "quality vs cost" in files.plots and files.plots["quality vs cost"].name == "cost.png"
+    from kdexp.report.__main__ import main  # the CLI: --quality picks the metric beside the cost
+
+    assert main([str(root), "--out", str(tmp_path / "cli"), "--quality", "val/kl_to_teacher"]) == 0
+    assert (tmp_path / "cli" / "cost.png").is_file() and "## Cost per configuration" in (
+        tmp_path / "cli" / "report.md").read_text()
 
 
 def test_points_without_cost_records_have_no_cost_section(tmp_path):
