@@ -73,6 +73,7 @@ def run_tiny_sweep(sweep_dir: Path, *, cache_dir: Path, extra: tuple[str, ...] =
     config validation rejects inside the job, so the sweep also has a real failed point. Returns the process."""
     env = {**os.environ, "KDEXP_CACHE": str(cache_dir), "WANDB_MODE": "disabled"}
     cmd = [sys.executable, "-m", "kdexp.run", "-m", "experiment=smoke", "logger=none",
+           "logger.tensorboard=true",  # tests/test_tensorboard.py serves this sweep's events
            "trainer.max_steps=4", "trainer.eval_interval=2", "trainer.eval_iters=1", "trainer.log_interval=1",
            "trainer.checkpoint_interval=4", "balancer.alpha=0.0,1.0,1.5", f"hydra.sweep.dir={sweep_dir}", *extra]
     return subprocess.run(cmd, cwd=sweep_dir.parent, env=env, capture_output=True, text=True, timeout=timeout)

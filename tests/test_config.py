@@ -322,7 +322,7 @@ OPTION_CHANGES = {
     ("data", "indexed"): {"name": "indexed"},
     ("trainer", "default"): {},
     ("logger", "default"): {},
-    ("logger", "none"): {"name": "none", "wandb": {"enabled": False}},
+    ("logger", "none"): {"name": "none", "wandb": {"enabled": False}, "tensorboard": False},
     ("loss", "topk"): {},
     ("loss", "dense"): {"name": "dense", "top_k": None, "ghost_token": False},
     ("loss", "top_p"): {"name": "top_p", "top_k": None, "top_p": 0.95, "min_k": 4},

@@ -270,12 +270,13 @@ def test_arms_side_by_side(tmp_path):
     assert "arms" in files.plots and png_size(files.plots["arms"])[0] > 200
     md = files.markdown.read_text()
     assert "## Arms (metrics: mean ± std over each arm's finished points [95% Student-t interval])" in md
-    # two seeds per arm: the arms table shows mean ± std [t interval], t_{0.975,1} = 12.706 (table value)
+    # two seeds per arm: mean ± std, the interval withheld and the table says why (t_{0.975,1} = 12.706, table value)
     lm = ARM_VALUES["before"][0][0], ARM_VALUES["before"][1][0]
     mean, sd = sum(lm) / 2, abs(lm[0] - lm[1]) / math.sqrt(2)
-    half = 12.706204736174698 * sd / math.sqrt(2)
     cell = dict(zip(table.columns, table.text[[r[0] for r in table.rows].index("val/lm_loss")]))["before"]
-    assert cell == f"{mean:.4f} ± {sd:.4f} [{mean - half:.4f}, {mean + half:.4f}]"
+    assert cell == f"{mean:.4f} ± {sd:.4f} (n=2†: no interval)"
+    assert any("t(0.975, 1) = 12.7" in note for note in table.notes)
+    assert "t(0.975, 1) = 12.7" in md
 
 
 NAN = float("nan")
@@ -331,7 +332,7 @@ def test_diverged_point_and_nan_metrics(tmp_path):
     assert rows["points"] == [3, 2] and rows["finished"] == [2, 2] and rows["diverged"] == [1, 0]
     assert rows["val/lm_loss"] == pytest.approx([3.3, 2.9])  # the diverged point is not a replicate
     assert rows["val/kl_to_teacher"][0] == pytest.approx(0.7) and math.isnan(rows["val/kl_to_teacher"][1])
-    assert cells["val/kl_to_teacher"][0].startswith("0.7000 ± 0.1414 [")
+    assert cells["val/kl_to_teacher"][0] == "0.7000 ± 0.1414 (n=2†: no interval)"  # 2 seeds: no interval
     assert cells["val/kl_to_teacher"][1] == "NaN (1 of 2 non-finite)"  # propagated, with the count
     assert [c.split(" ± ")[0] for c in cells["val/lm_loss"]] == ["3.3000", "2.9000"]
     assert cells["val/lm_loss"][1].endswith(f"({100 * (2.9 - 3.3) / 3.3:+.1f}%)")

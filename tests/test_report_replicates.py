@@ -149,7 +149,10 @@ def test_best_lines_say_when_not_significant(rep):
         " - NOT significantly better than the runner-up arm=top_p (")
     assert f"difference {mean:+.4f} [{lo:+.4f}, {hi:+.4f}], paired by seed (n=3), p={p:.4f}" in lines["val/lm_loss"]
     assert " - significantly better than the runner-up arm=top_p" in lines["val/kl_to_teacher"]
-    assert "NOT significantly better" in lines["val/top1_agreement"]  # a tie: first arm, difference 0
+    # identical arms: a tie of all three, reported as one, never a best arm
+    assert lines["val/top1_agreement"] == ("val/top1_agreement (highest is best): tie - 3 configurations share 0.5500 "
+                                           "exactly (arm=before; arm=after; arm=top_p): no best")
+    assert best["val/top1_agreement"].tied and best["val/top1_agreement"].ranking.significant is None
 
 
 def test_report_files_with_replicates(rep, tmp_path):

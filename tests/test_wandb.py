@@ -168,13 +168,15 @@ def test_read_back_of_a_logger_run_with_records_across_blocks(tmp_path, monkeypa
     run = wandb_read.read_run(run_dir)
     assert run.id == (run_dir / "wandb_id").read_text().strip() and run.exit_code == 0
     assert (run.name, run.group, run.job_type, run.project, run.tags) == ("point-a", "grp", "sweep", "kdexp",
-                                                                         ["a", "b"])
+                                                                         ["a", "b"])  # no tags asked: the user's
     assert run.metrics() == [
         {"step": 1, "train/loss": 1.0, "train/kept_mass": 0.901},
         {"step": 2, "train/loss": 0.5, "train/kept_mass": 0.902},
         {"step": 3, "train/loss": 1 / 3, "train/kept_mass": 0.903, "val/lm_loss": 2.718281828459045}]
     config = {k: v for k, v in run.config.items() if k != "_wandb"}
-    assert config == {**OmegaConf.to_container(cfg, resolve=True), "overrides": ["balancer.alpha=0.5", big]}
+    expected = OmegaConf.to_container(cfg, resolve=True)
+    expected["logger"]["wandb"]["group"] = "grp"  # the group the run is in, not null
+    assert config == {**expected, "overrides": ["balancer.alpha=0.5", big]}
     assert run.summary["val/lm_loss"] == 2.718281828459045
     raw = list(wandb_read.record_bytes(run.files[0]))
     assert max(map(len, raw)) > 2 * wandb_read.BLOCK  # the chain really was exercised
@@ -229,7 +231,8 @@ def test_a_sweeps_offline_wandb_runs_hold_what_the_points_logged(tmp_path):
     for p, alpha in zip(points, ("0.5", "0.9")):
         run_dir = Path(p["run_dir"])
         run = wandb_read.read_run(run_dir)
-        assert run.exit_code == 0 and run.project == "readback" and run.tags == ["t1"]
+        assert run.exit_code == 0 and run.project == "readback"
+        assert run.tags == ["t1", "loss:topk", "teacher:online", "experiment:smoke", "swept:balancer.alpha"]
         assert run.group == "ab" == sweep_dir.name  # the sweep's directory name
         assert run.name == f"balancer.alpha={alpha}" and f"balancer.alpha={alpha}" in p["overrides"]
         assert run.job_type == "sweep"
@@ -250,6 +253,71 @@ def test_a_sweeps_offline_wandb_runs_hold_what_the_points_logged(tmp_path):
             assert run.summary[key] == pytest.approx(value, rel=1e-12, abs=0), key
         # config: the point's composed config (.hydra/config.yaml) resolved, plus Hydra's overrides of the point
         composed = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), resolve=True)
+        composed["logger"]["wandb"]["group"] = "ab"  # logged as the group the run is in
         overrides = list(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml"))
         assert {k: v for k, v in run.config.items() if k != "_wandb"} == {**composed, "overrides": overrides}
         assert run.config["balancer"]["alpha"] == float(alpha) and run.config["trainer"]["max_steps"] == 6
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# tags, the group in the config, a reused point in the new sweep's group (kdexp.track.loggers)
+
+
+def _hydra(sweep_dir: Path, overrides: list[str], planned: list[list[str]], choices: dict) -> dict:
+    """What HydraConfig.get() holds for a point of a multirun (the parts the loggers read), and its sweep.json."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    records.write_json(sweep_dir / records.SWEEP, {"points": [{"num": i, "overrides": o} for i, o in enumerate(planned)]})
+    return OmegaConf.create({"mode": "MULTIRUN", "sweep": {"dir": str(sweep_dir)}, "overrides": {"task": overrides},
+                             "runtime": {"choices": {"hydra/launcher": "basic", **choices}}})
+
+
+def test_tags_and_group_in_the_logged_config(tmp_path, monkeypatch):
+    from kdexp.track.loggers import open_loggers
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = OmegaConf.merge(OmegaConf.structured(KdexpConfig), {"logger": {"wandb": {"tags": ["mine"]}},
+                                                              "teacher": {"name": "cached"}})
+    cfg.paths.cache = cfg.paths.index = str(tmp_path / "cache")
+    planned = [[f"arm={a}", f"trainer.seed={s}"] for a in ("before", "after") for s in (1, 2)]
+    hc = _hydra(tmp_path / "2026-12-05" / "10-00-00-ab", planned[3], planned,
+                {"experiment": "qwen3_before_after", "arm": "after"})
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    loggers = open_loggers(cfg, run_dir, hc, enabled=True)
+    try:
+        loggers.log({"step": 1, "kind": "train", "train/loss": 2.0}, 1)
+    finally:
+        loggers.finish()
+    run = wandb_read.read_run(run_dir)
+    assert run.tags == ["mine", "loss:topk", "teacher:cached", "experiment:qwen3_before_after", "arm:after",
+                        "swept:arm", "swept:trainer.seed"]
+    assert run.group == "2026-12-05_10-00-00-ab" == run.config["logger"]["wandb"]["group"]
+    assert run.name == "arm=after,trainer.seed=2" and run.job_type == "sweep"
+
+
+def test_a_reused_point_is_a_run_of_the_new_group(tmp_path, monkeypatch):
+    from kdexp.track.loggers import log_reused
+
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = OmegaConf.structured(KdexpConfig)
+    cfg.paths.cache = cfg.paths.index = str(tmp_path / "cache")
+    original = tmp_path / "old" / "0"
+    original.mkdir(parents=True)
+    rows = [{"step": 1, "kind": "train", "train/loss": 3.0}, {"step": 2, "kind": "train", "train/loss": 2.5},
+            {"step": 2, "kind": "val", "val/lm_loss": 2.75}]
+    (original / records.METRICS).write_text("".join(records.dumps(r) + "\n" for r in rows))
+    final = {"train/loss": 2.5, "val/lm_loss": 2.75}
+    summary = {"status": "finished", "final": final, "reused_from": str(original), "overrides": ["balancer.alpha=0.5"]}
+    hc = _hydra(tmp_path / "new", ["balancer.alpha=0.5"], [["balancer.alpha=0.5"], ["balancer.alpha=1.0"]], {})
+    run_dir = tmp_path / "new" / "0"
+    run_dir.mkdir()
+    assert log_reused(cfg, run_dir, hc, summary, enabled=False) is None  # not rank 0: nothing
+    log_reused(cfg, run_dir, hc, summary, enabled=True)
+    run = wandb_read.read_run(run_dir)
+    assert run.group == "new" and run.name == "balancer.alpha=0.5" and run.exit_code == 0
+    assert run.config["reused_from"] == str(original) and "reused" in run.tags
+    assert run.summary["reused_from"] == str(original)
+    assert {k: run.summary[k] for k in final} == final  # the original's final metrics
+    assert run.metrics() == [{"step": 1, "train/loss": 3.0}, {"step": 2, "train/loss": 2.5, "val/lm_loss": 2.75}]

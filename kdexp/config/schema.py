@@ -145,6 +145,7 @@ class WandbConfig:
 class LoggerConfig:
     name: str = "default"
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: bool = True  # events + HParams in the run dir (kdexp.track.tensorboard); rank 0 only
 
 
 @dataclass

@@ -218,6 +218,15 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     return p
 
 
+def flops_per_token(cfg: Any) -> dict:
+    """Model FLOPs per trained token of a composed config, by make_plan's formulas (kdexp.plan.sizing): the student's
+    training step (forward + backward) and the teacher's forward, whether the step runs it (online) or a cache build
+    ran it once (cached). What kdexp.track.cost records for every run."""
+    seq = int(cfg.trainer.seq_length)
+    return {"student": sizing.flops_per_token(_spec(cfg, "student"), seq, backward=True),
+            "teacher_forward": sizing.flops_per_token(_spec(cfg, "teacher"), seq, backward=False)}
+
+
 def _gib(x: float, unit: float = GiB) -> str:
     return f"{x / unit:,.2f}"
 

@@ -31,6 +31,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--watch", action="store_true",
                    help="keep SWEEP_DIR's report current while the sweep runs (index.html reloads itself in the "
                         "browser) and stop when no point is pending or running; the final page has no refresh")
+    p.add_argument("--quality", metavar="METRIC", default="val/kl_to_teacher",
+                   help="the quality metric the cost table and the quality-vs-cost plot show (default: "
+                        "val/kl_to_teacher)")
     p.add_argument("--interval", metavar="S", type=float, default=None,
                    help="with --watch: seconds between looks at the sweep's files (default: 10)")
     return p
@@ -83,7 +86,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 1
     out = Path(args.out) if args.out else Path(args.sweep_dir) / "report"
     # a W&B report is a snapshot nobody regenerates: no refresh tag; a sweep dir's page refreshes while points run
-    files = write_report(sweep, out, live=False if args.wandb_group is not None else None)
+    files = write_report(sweep, out, live=False if args.wandb_group is not None else None, quality=args.quality)
     print(summary_line(sweep))
     for line in best_lines(best_points(sweep)):
         print("best " + line)

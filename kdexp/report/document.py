@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Optional
 
 from kdexp.report.comparisons import configurations_table, differences_table
+from kdexp.report.cost import DEFAULT_QUALITY, cost_table
 from kdexp.report.model import Sweep
 from kdexp.report.plots import write_plots
+from kdexp.report.ranges import MIN_INTERVAL_N
 from kdexp.report.replicates import TIMING_PREFIXES
 from kdexp.track.records import ENDED_BADLY
 from kdexp.report.tables import (Table, arms_table, best_lines, best_points, points_table, summary_line, to_html,
@@ -28,7 +30,9 @@ from kdexp.report.tables import (Table, arms_table, best_lines, best_points, poi
 TRACEBACK_LINES = 40  # the tail of error.log shown per failed point
 REFRESH_S = 10  # how often a live page reloads itself
 HOW_TO_READ = ("Over replicates (points that differ only in trainer.seed) a cell is mean ± std [95% Student-t interval "
-               "of the mean]. Differences are paired by seed; significant = their 95% interval excludes 0 (p < 0.05), "
+               f"of the mean], the interval shown from {MIN_INTERVAL_N} replicates on and clipped to the metric's "
+               "valid range (the notes under a table say when). Exact ties are reported as ties. "
+               "Differences are paired by seed; significant = their 95% interval excludes 0 (p < 0.05), "
                "for that one comparison (no correction for the many in a table). "
                f"Timing metrics ({', '.join(p + '*' for p in TIMING_PREFIXES)}) are machine-dependent: they measure "
                "the load the machine had while a point ran and are never ranked.")
@@ -57,7 +61,7 @@ def _tail(text: str, n: int = TRACEBACK_LINES) -> str:
     return "\n".join((["..."] if len(lines) > n else []) + lines[-n:])
 
 
-def _sections(sweep: Sweep) -> tuple[list[str], list[Table], Table]:
+def _sections(sweep: Sweep, quality: str = DEFAULT_QUALITY) -> tuple[list[str], list[Table], Table]:
     """The intro lines, the summary tables (configurations, differences, arms: those that apply), every point."""
     intro = [summary_line(sweep)]
     if sweep.swept:
@@ -67,7 +71,8 @@ def _sections(sweep: Sweep) -> tuple[list[str], list[Table], Table]:
     if sweep.fixed:
         intro.append("Common overrides: " + " ".join(f"{k}={v}" for k, v in sweep.fixed.items()))
     intro.append(HOW_TO_READ)
-    tables = [t for t in (configurations_table(sweep), differences_table(sweep), arms_table(sweep)) if t is not None]
+    tables = [t for t in (configurations_table(sweep), differences_table(sweep), arms_table(sweep),
+                          cost_table(sweep, quality)) if t is not None]
     return intro, tables, points_table(sweep)
 
 
@@ -80,8 +85,8 @@ def _rel(path: Path, out_dir: Path) -> str:
     return Path(os.path.relpath(path, out_dir)).as_posix()
 
 
-def render_markdown(sweep: Sweep, plots: dict[str, Path], out_dir: Path) -> str:
-    intro, tables, table = _sections(sweep)
+def render_markdown(sweep: Sweep, plots: dict[str, Path], out_dir: Path, quality: str = DEFAULT_QUALITY) -> str:
+    intro, tables, table = _sections(sweep, quality)
     best = best_lines(best_points(sweep))
     md = [f"# kdexp report: {sweep.source}", ""] + [f"{line}  " for line in intro] + [""]
     md += ["## Best points", ""] + ([f"- {b}" for b in best] or ["No finished point has these metrics yet."]) + [""]
@@ -106,17 +111,18 @@ _CSS = """body{font-family:sans-serif;margin:2em;max-width:1400px}
 table.kdexp{border-collapse:collapse;margin:1em 0;font-size:0.9em}
 table.kdexp th,table.kdexp td{border:1px solid #bbb;padding:3px 8px;text-align:right}
 table.kdexp th{background:#eee}table.kdexp td:first-child{text-align:left}
+p.note{font-size:0.85em;color:#444;max-width:1100px}
 tr.failed td,tr.diverged td{background:#fde2e2}tr.running td{background:#fff6d5}tr.pending td{color:#888}tr.interrupted td{background:#eee}
 pre{background:#f6f6f6;padding:0.6em;overflow-x:auto;font-size:0.85em}img{max-width:100%}
 p.live{background:#fff6d5;border:1px solid #e0c060;padding:0.5em}"""
 
 
 def render_html(sweep: Sweep, plots: dict[str, Path], out_dir: Path, live: Optional[bool] = None,
-                refresh_s: int = REFRESH_S) -> str:
+                refresh_s: int = REFRESH_S, quality: str = DEFAULT_QUALITY) -> str:
     """The page; ``live`` (default: a point is still pending or running) adds the refresh tag and the banner."""
     e = html.escape
     live = sweep.live if live is None else live
-    intro, tables, table = _sections(sweep)
+    intro, tables, table = _sections(sweep, quality)
     best = best_lines(best_points(sweep))
     body = [f"<h1>kdexp report: {e(sweep.source)}</h1>"]
     if live:
@@ -147,16 +153,17 @@ def render_html(sweep: Sweep, plots: dict[str, Path], out_dir: Path, live: Optio
 
 
 def write_report(sweep: Sweep, out_dir: str | Path, plots: Optional[dict[str, Path]] = None,
-                 live: Optional[bool] = None) -> ReportFiles:
+                 live: Optional[bool] = None, quality: str = DEFAULT_QUALITY) -> ReportFiles:
     """Plots, report.md and index.html into ``out_dir`` (created); every file is written atomically.
     ``plots`` = what write_plots(sweep, out_dir) already returned (the notebook draws them first), else drawn here.
-    ``live``: the page refreshes itself (default: while a point is pending or running)."""
+    ``live``: the page refreshes itself (default: while a point is pending or running). ``quality``: the metric the
+    cost table and the quality-vs-cost plot show against cost."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if plots is None:
-        plots = write_plots(sweep, out_dir)
+        plots = write_plots(sweep, out_dir, quality)
     md, page = out_dir / "report.md", out_dir / "index.html"
-    _atomic_write(md, render_markdown(sweep, plots, out_dir))
+    _atomic_write(md, render_markdown(sweep, plots, out_dir, quality))
     live = sweep.live if live is None else live
-    _atomic_write(page, render_html(sweep, plots, out_dir, live=live))
+    _atomic_write(page, render_html(sweep, plots, out_dir, live=live, quality=quality))
     return ReportFiles(out_dir, md, page, plots, live, summary_line(sweep))

@@ -17,8 +17,18 @@ MISSING = object()  # a key a config does not have (None is a value a config can
 
 
 def short(value: Any) -> str:
+    """A number in a few characters (seeds, metric values in prose). Swept values are shown with ``typed``."""
     if isinstance(value, float):
         return f"{value:g}"
+    return str(value)
+
+
+def typed(value: Any) -> str:
+    """A resolved swept value as Python/YAML writes it, so a float stays a float: 1.0 -> '1.0' (not '1'), 1e-05."""
+    if isinstance(value, float):
+        return repr(value)
+    if value is None:
+        return "null"
     return str(value)
 
 
@@ -53,12 +63,21 @@ class Point:
     params: dict[str, Any] = field(default_factory=dict)  # swept key -> resolved value (set by build_sweep)
     arm: Optional[str] = None  # the experiment arm (set by build_sweep when the config names one)
     seed: Any = None  # trainer.seed as resolved (set by build_sweep): replicates of a configuration pair by it
+    shown: dict[str, str] = field(default_factory=dict)  # swept key -> its value as typed (set by build_sweep)
+    cost: dict[str, Any] = field(default_factory=dict)  # what the point cost (summary.json "cost", kdexp.track.cost)
+
+    def text(self, key: str) -> str:
+        """The swept value as typed ('1.0' stays '1.0', '1e-3' stays '1e-3'); the one way every table, legend and
+        label prints a swept value."""
+        if key in self.shown:
+            return self.shown[key]
+        return typed(self.params.get(key))
 
     @property
     def label(self) -> str:
         """The point named by its swept values ('balancer.alpha=0.5, loss=topk'), else by its name."""
         if self.params:
-            return ", ".join(f"{k}={short(v)}" for k, v in self.params.items())
+            return ", ".join(f"{k}={self.text(k)}" for k in self.params)
         return self.name
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any, Iterable, Optional
 
-from kdexp.report.model import MISSING, Point, Sweep
+from kdexp.report.model import MISSING, Point, Sweep, typed
 from kdexp.track.records import parse_scalar
 
 # Resolved-config keys that differ between points for bookkeeping reasons, not because of the experiment.
@@ -57,6 +57,16 @@ def resolved_value(point: Point, key: str) -> Any:
     if value is not MISSING and not isinstance(value, (dict, list)):
         return value
     return parse_scalar(point.overrides.get(key))
+
+
+def typed_value(point: Point, key: str) -> str:
+    """``key``'s value as the user typed it on the command line when it is the value the point ran with ('1.0',
+    '1e-3', 'topk'); else the resolved value written as YAML would (a float keeps its '.0'); a group option by name."""
+    raw = point.overrides.get(key, MISSING)
+    value = point.params.get(key, MISSING)
+    if isinstance(raw, str) and (value is MISSING or parse_scalar(raw) == value or key in point.choices):
+        return raw
+    return typed(None if value is MISSING else value)
 
 
 def _differing_override_keys(points: list[Point]) -> tuple[list[str], dict[str, str]]:
@@ -135,6 +145,7 @@ def build_sweep(points: list[Point], source: str) -> Sweep:
                 swept.append(key)
     for p in points:
         p.params = {k: resolved_value(p, k) for k in swept}
+        p.shown = {k: typed_value(p, k) for k in swept}
         seed = p.params[SEED_KEY] if SEED_KEY in p.params else resolved_value(p, SEED_KEY)
         p.seed = None if seed is MISSING else seed
         if arm_key is not None:

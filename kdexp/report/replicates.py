@@ -13,16 +13,21 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
 
-from kdexp.report.model import Point, Sweep, is_number, short
+from kdexp.report.model import Point, Sweep, is_number, typed
+from kdexp.report.ranges import clipped
 from kdexp.report.stats import Difference, Summary, compare, summarize
 
 TIMING_PREFIXES = ("perf/",)
+# the cost/* metrics (kdexp.report.cost) that measure the machine too: device-hours and tokens/s
+TIMING_KEYS = frozenset({"cost/total_device_hours", "cost/device_hours", "cost/cache_device_hours",
+                         "cost/tokens_per_s"})
 MACHINE_NOTE = "machine-dependent"
 
 
 def is_timing(metric: str) -> bool:
-    """perf/* (tokens/s, step time): what the machine did under its load then, not what the configuration does."""
-    return metric.startswith(TIMING_PREFIXES)
+    """perf/* (tokens/s, step time) and the device-hours / tokens/s of cost/*: what the machine did under its load
+    then, not what the configuration does."""
+    return metric.startswith(TIMING_PREFIXES) or metric in TIMING_KEYS
 
 
 def metric_label(metric: str) -> str:
@@ -38,10 +43,14 @@ class Configuration:
     points: list[Point] = field(default_factory=list)
     arm: Optional[str] = None
 
+    def text(self, key: str) -> str:
+        """A swept value as typed (its first point's text: every replicate has the same value)."""
+        return self.points[0].text(key) if self.points else typed(self.params.get(key))
+
     @property
     def label(self) -> str:
         if self.params:
-            return ", ".join(f"{k}={short(v)}" for k, v in self.params.items())
+            return ", ".join(f"{k}={self.text(k)}" for k in self.params)
         return self.points[0].label if len(self.points) == 1 else "all points"
 
     @property
@@ -70,7 +79,9 @@ class Configuration:
         return out
 
     def summary(self, metric: str) -> Summary:
-        return summarize(self.values(metric).values())
+        """Over the finished replicates, the interval clipped to the metric's range and withheld below
+        MIN_INTERVAL_N (kdexp.report.ranges)."""
+        return clipped(metric, summarize(self.values(metric).values()))
 
 
 def configurations(sweep: Sweep) -> list[Configuration]:
@@ -98,7 +109,9 @@ def better(goal: str, a: float, b: float) -> bool:
 
 @dataclass
 class Ranking:
-    """The best configuration for a metric, the runner-up, and whether the best is significantly better."""
+    """The best configuration for a metric, the runner-up, and whether the best is significantly better.
+    When several configurations share the best mean exactly, ``ties`` holds them all: there is no best then (the
+    report says "tie"), ``best`` is only the first of them and ``runner_up`` the next configuration below."""
 
     metric: str
     goal: str
@@ -106,19 +119,24 @@ class Ranking:
     summary: Summary
     runner_up: Optional[Configuration] = None
     runner_up_summary: Optional[Summary] = None
-    difference: Optional[Difference] = None  # best - runner-up
+    difference: Optional[Difference] = None  # best - runner-up (None on a tie)
+    ties: list[Configuration] = field(default_factory=list)  # >= 2 configurations with the same best mean
+
+    @property
+    def tied(self) -> bool:
+        return len(self.ties) > 1
 
     @property
     def significant(self) -> Optional[bool]:
-        """True/False at 95%, None when it cannot be told (single runs, no runner-up, a non-finite value)."""
-        if self.difference is None or self.difference.significant is None:
+        """True/False at 95%, None when it cannot be told (single runs, no runner-up, a tie, a non-finite value)."""
+        if self.tied or self.difference is None or self.difference.significant is None:
             return None
         return self.difference.significant
 
 
 def rank(configs: list[Configuration], metric: str, goal: Optional[str]) -> Optional[Ranking]:
-    """The configuration with the best finite mean (first on ties), and how it compares with the runner-up.
-    None for timing metrics, metrics without a direction, or no finished configuration with the metric."""
+    """The configuration with the best finite mean, and how it compares with the runner-up; exact ties are kept as
+    ties. None for timing metrics, metrics without a direction, or no finished configuration with the metric."""
     if goal is None or is_timing(metric):
         return None
     scored = [(c, c.summary(metric)) for c in configs]
@@ -127,6 +145,11 @@ def rank(configs: list[Configuration], metric: str, goal: Optional[str]) -> Opti
         return None
     order = sorted(range(len(scored)), key=lambda i: (scored[i][1].mean if goal == "min" else -scored[i][1].mean, i))
     best, best_s = scored[order[0]]
+    ties = [scored[i][0] for i in order if scored[i][1].mean == best_s.mean]
+    rest = [i for i in order if scored[i][1].mean != best_s.mean]
+    if len(ties) > 1:
+        nxt = scored[rest[0]] if rest else (None, None)
+        return Ranking(metric, goal, best, best_s, nxt[0], nxt[1], None, ties)
     if len(order) == 1:
         return Ranking(metric, goal, best, best_s)
     second, second_s = scored[order[1]]
@@ -135,4 +158,4 @@ def rank(configs: list[Configuration], metric: str, goal: Optional[str]) -> Opti
 
 
 __all__ = ["Configuration", "Ranking", "configurations", "has_replicates", "rank", "is_timing", "metric_label",
-           "TIMING_PREFIXES", "MACHINE_NOTE"]
+           "TIMING_PREFIXES", "TIMING_KEYS", "MACHINE_NOTE"]

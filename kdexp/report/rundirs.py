@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import yaml
 
+from kdexp.report.cost import add_cost_metrics
 from kdexp.report.model import Point, Sweep, is_number
 from kdexp.report.params import build_sweep
 from kdexp.track import records
@@ -140,7 +141,7 @@ def load_point(run_dir: str | Path, root: Optional[str | Path] = None) -> Point:
     return Point(name=name, run_dir=run_dir, overrides=records.parse_overrides(overrides_list), config=config,
                  choices=choices, final=final, curves=curves, status=status, error=error, traceback=traceback,
                  num=num, steps=(summary or {}).get("step" if status == "diverged" else "steps"),
-                 wall_s=(summary or {}).get("wall_s"),
+                 wall_s=(summary or {}).get("wall_s"), cost=(summary or {}).get("cost") or {},
                  reused_from=reused_from, final_partial=status != "finished" and bool(final))
 
 
@@ -178,7 +179,9 @@ def load_sweep(root: str | Path) -> Sweep:
         raise ValueError(f"sweep_dir={str(root)!r} is not a directory (expected a run dir or a Hydra sweep dir)")
     points = [load_point(d, root) for d in find_run_dirs(root)]
     points += _planned_points(root, points)
-    return build_sweep(points, source=str(root))
+    sweep = build_sweep(points, source=str(root))
+    add_cost_metrics(sweep)  # after every point is known: cache builds are shared out over the sweep's points
+    return sweep
 
 
 def latest_sweep(*bases: str | Path) -> Path:

@@ -108,6 +108,10 @@ class Summary:
     hi: Optional[float] = None
     nonfinite: int = 0
     confidence: float = CONFIDENCE
+    # set by kdexp.report.ranges.clipped (the metric's valid range and the small-n rule live there):
+    small_n: bool = False  # an interval was withheld: too few replicates
+    clipped: Optional[tuple[float, float]] = None  # the valid range the interval was clipped to
+    out_of_range: bool = False  # the mean itself lies outside the metric's valid range
 
     @property
     def half_width(self) -> Optional[float]:

@@ -14,8 +14,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from kdexp.report.model import MISSING, Point, Sweep, aggregate, short
+from kdexp.report.model import MISSING, Point, Sweep, aggregate
 from kdexp.report.params import config_differences
+from kdexp.report.ranges import SMALL_N_MARK, range_text, small_n_note, valid_range
 from kdexp.report.replicates import Configuration, Ranking, configurations, has_replicates, is_timing, metric_label, rank
 from kdexp.report.stats import Difference, Summary
 from kdexp.track.records import parse_scalar
@@ -64,6 +65,7 @@ class Table:
     text: list[list[str]]  # what is shown, same shape as rows
     bold: set[tuple[int, int]] = field(default_factory=set)  # (row, column) of the best values
     title: str = ""
+    notes: list[str] = field(default_factory=list)  # printed under the table (small-n, clipped intervals, ties)
 
     def column(self, name: str) -> list[Any]:
         i = self.columns.index(name)
@@ -84,6 +86,17 @@ class Best:
     value: float
     ranking: Optional[Ranking] = None
 
+    @property
+    def tied(self) -> bool:
+        return self.ranking is not None and self.ranking.tied
+
+    @property
+    def points(self) -> list[Point]:
+        """The best point, or every tied configuration's first finished point on a tie."""
+        if not self.tied:
+            return [self.point]
+        return [c.finished[0] for c in self.ranking.ties]
+
 
 def fmt_p(p: Optional[float]) -> str:
     if p is None or math.isnan(p):
@@ -92,15 +105,38 @@ def fmt_p(p: Optional[float]) -> str:
 
 
 def summary_text(s: Summary, with_n: bool = False) -> str:
-    """'mean ± std [lo, hi]' (the 95% t interval of the mean); one value as is; NaN with the non-finite count."""
+    """'mean ± std [lo, hi]' (the 95% t interval of the mean); one value as is; NaN with the non-finite count.
+    Below 3 replicates 'mean ± std (n=2†: no interval)'; an interval clipped to the metric's valid range says so,
+    and a mean outside that range is flagged (kdexp.report.ranges)."""
     if s.mean is None:
         return "—"
     if s.nonfinite:
         return f"NaN ({s.nonfinite} of {s.n} non-finite)"
     n = f" (n={s.n})" if with_n else ""
-    if s.std is None:
-        return fmt(s.mean) + n
-    return f"{fmt(s.mean)} ± {fmt(s.std)} [{fmt(s.lo)}, {fmt(s.hi)}]" + n
+    if s.small_n:
+        text = f"{fmt(s.mean)} ± {fmt(s.std)} (n={s.n}{SMALL_N_MARK}: no interval)"
+    elif s.std is None:
+        text = fmt(s.mean) + n
+    else:
+        text = f"{fmt(s.mean)} ± {fmt(s.std)} [{fmt(s.lo)}, {fmt(s.hi)}]" + n
+        if s.clipped is not None:
+            text += f" (clipped to {range_text(s.clipped)})"
+    return text + (" (OUTSIDE the valid range!)" if s.out_of_range else "")
+
+
+def summary_notes(summaries: list[Summary], metrics: list[str]) -> list[str]:
+    """The notes a table of these summaries needs: why an interval is missing, which ranges clipped one."""
+    notes = []
+    if any(s.small_n for s in summaries):
+        notes.append(small_n_note())
+    clipped = list(dict.fromkeys(m for s, m in zip(summaries, metrics) if s.clipped is not None))
+    if clipped:
+        notes.append("A Student-t interval is symmetric, so over few seeds it can leave what a metric can take; "
+                     "such intervals are clipped to the metric's valid range (" + ", ".join(
+                         f"{m} in {range_text(valid_range(m))}" for m in clipped) + ").")
+    if any(s.out_of_range for s in summaries):
+        notes.append("OUTSIDE the valid range: a mean no correct run can produce; check that point's logs.")
+    return notes
 
 
 def difference_text(d: Difference) -> str:
@@ -139,6 +175,14 @@ def best_lines(best: dict[str, Best]) -> list[str]:
     lines = []
     for b in best.values():
         r = b.ranking
+        if b.tied:
+            names = "; ".join(c.label for c in r.ties)
+            line = (f"{b.metric} ({word[b.goal]} is best): tie - {len(r.ties)} configurations share "
+                    f"{fmt(b.value)} exactly ({names}): no best")
+            if r.runner_up is not None:
+                line += f"; next: {r.runner_up.label} ({summary_text(r.runner_up_summary)})"
+            lines.append(line)
+            continue
         if r is None or (r.summary.n <= 1 and (r.runner_up_summary is None or r.runner_up_summary.n <= 1)):
             where = f"{b.point.name}" + (f" ({b.point.label})" if b.point.label != b.point.name else "")
             line = f"{b.metric} ({word[b.goal]} is best): {fmt(b.value)} at {where}"
@@ -167,10 +211,10 @@ def swept_text(point: Point, key: str) -> str:
     raw = point.overrides.get(key, MISSING)
     resolved = point.params.get(key)
     if raw is MISSING:
-        return f"{fmt(resolved)} (default)" if resolved is not None else "—"
+        return f"{point.text(key)} (default)" if resolved is not None else "—"
     if raw is None:
         return "(deleted)"
-    return raw if parse_scalar(raw) == resolved else f"{raw} (= {short(resolved)})"
+    return raw if parse_scalar(raw) == resolved else f"{raw} (= {point.text(key)})"
 
 
 def _status_text(p: Point, metrics: tuple[str, ...]) -> str:
@@ -194,7 +238,8 @@ def points_table(sweep: Sweep, metrics: tuple[str, ...] = TABLE_METRICS) -> Tabl
     table = Table(columns, rows, text, title="Points")
     if not has_replicates(sweep):  # over replicates the configurations table marks the best, not one lucky seed
         for metric, b in best_points(sweep, metrics).items():
-            table.bold.add((sweep.points.index(b.point), columns.index(metric)))
+            for p in b.points:  # every tied point: bold marks the best value, never one of equals
+                table.bold.add((sweep.points.index(p), columns.index(metric)))
     return table
 
 
@@ -224,6 +269,8 @@ def arms_table(sweep: Sweep, metrics: tuple[str, ...] = TABLE_METRICS) -> Option
             rows.append([key, *values])
             text.append([key, *[fmt(v) for v in values]])
     bold = set()
+    summaries: list[Summary] = []
+    summary_metrics: list[str] = []
     for metric in metrics:
         aggs = [aggregate([p for p in members[a] if p.status == "finished"], metric) for a in arms]
         means = [g.mean for g in aggs]
@@ -240,14 +287,16 @@ def arms_table(sweep: Sweep, metrics: tuple[str, ...] = TABLE_METRICS) -> Option
         direction = goal(metric)
         present = [(i, m) for i, m in enumerate(means) if m is not None and math.isfinite(m)]
         if direction and len(present) > 1:
-            pick = min if direction == "min" else max
-            bold.add((len(rows), 1 + pick(present, key=lambda im: im[1])[0]))
+            top = (min if direction == "min" else max)(m for _, m in present)
+            bold.update((len(rows), 1 + i) for i, m in present if m == top)  # ties: all of them
+        summaries += sums
+        summary_metrics += [metric] * len(sums)
         rows.append([metric, *means])
         text.append([metric_label(metric), *cells])
     n = max(len(m) for m in members.values())
     title = "Arms" + (" (metrics: mean ± std over each arm's finished points [95% Student-t interval])"
                       if n > 1 else "")
-    return Table(columns, rows, text, bold, title=title)
+    return Table(columns, rows, text, bold, title=title, notes=summary_notes(summaries, summary_metrics))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -260,6 +309,8 @@ def to_markdown(table: Table) -> str:
              "| " + " | ".join("---" for _ in table.columns) + " |"]
     for i, row in enumerate(table.text):
         lines.append("| " + " | ".join(cell(t, (i, j) in table.bold) for j, t in enumerate(row)) + " |")
+    if table.notes:
+        lines += [""] + [f"{note}  " for note in table.notes]
     return "\n".join(lines)
 
 
@@ -273,7 +324,9 @@ def to_html(table: Table, css_class: str = "kdexp") -> str:
             cells.append(f"<td><b>{t}</b></td>" if (i, j) in table.bold else f"<td>{t}</td>")
         status = table.rows[i][table.columns.index("status")] if "status" in table.columns else ""
         body.append(f'<tr class="{html.escape(str(status))}">' + "".join(cells) + "</tr>")
-    return f'<table class="{css_class}"><thead><tr>{head}</tr></thead><tbody>' + "".join(body) + "</tbody></table>"
+    notes = "".join(f'<p class="note">{html.escape(n)}</p>' for n in table.notes)
+    return (f'<table class="{css_class}"><thead><tr>{head}</tr></thead><tbody>' + "".join(body) + "</tbody></table>"
+            + notes)
 
 
 def summary_line(sweep: Sweep) -> str:
@@ -284,4 +337,4 @@ def summary_line(sweep: Sweep) -> str:
 
 __all__ = ["TABLE_METRICS", "GOALS", "BEST_METRICS", "Table", "Best", "goal", "fmt", "best_points", "best_lines",
            "points_table", "arms_table", "to_markdown", "to_html",
-           "summary_line", "swept_text", "summary_text", "difference_text", "verdict"]
+           "summary_line", "swept_text", "summary_text", "summary_notes", "difference_text", "verdict"]

@@ -2,7 +2,7 @@
 
     wandb.Api().runs("entity/project", filters={"group": group})
       run.config    -> Point.config (the resolved config kdexp logs); swept keys = config keys that differ
-      run.summary   -> Point.final
+      run.summary   -> Point.final (and its "cost" -> Point.cost)
       run.history() -> Point.curves (rows keyed by _step, NaN where a metric was not logged at that step)
       run.state     -> Point.status (finished / running / failed for failed, crashed, killed; diverged when the
                        summary has kdexp's diverged_step)
@@ -15,6 +15,7 @@ import math
 import re
 from typing import Any, Iterable, Optional
 
+from kdexp.report.cost import add_cost_metrics
 from kdexp.report.model import Point, Sweep
 from kdexp.report.params import build_sweep
 from kdexp.track.records import parse_overrides
@@ -104,7 +105,8 @@ def point_from_run(run: Any) -> Point:
     return Point(name=getattr(run, "name", None) or getattr(run, "id", "run"), run_dir=None,
                  overrides=_overrides(run, _as_dict(getattr(run, "config", None))), config=config, final=final,
                  curves=curves, status=status, error=error, final_partial=status != "finished" and bool(final),
-                 steps=int(steps) if _number(steps) is not None else None)
+                 steps=int(steps) if _number(steps) is not None else None,
+                 cost=_as_dict(summary.get("cost")) if isinstance(summary.get("cost"), dict) else {})
 
 
 def load_wandb_group(group: str, *, project: str = "kdexp", entity: Optional[str] = None, api: Any = None) -> Sweep:
@@ -117,4 +119,6 @@ def load_wandb_group(group: str, *, project: str = "kdexp", entity: Optional[str
         api = wandb.Api()
     path = f"{entity}/{project}" if entity else project
     points = [point_from_run(run) for run in api.runs(path, filters={"group": group})]
-    return build_sweep(points, source=f"wandb:{path}/{group}")
+    sweep = build_sweep(points, source=f"wandb:{path}/{group}")
+    add_cost_metrics(sweep)  # summary["cost"], as summary.json holds it (kdexp.train.point logs both)
+    return sweep

@@ -41,7 +41,7 @@ from kdexp.losses.cached import teacher_topk_record
 from kdexp.losses.sampled import TeacherDraws, draw_teacher
 from kdexp.teacher import format as fmt
 from kdexp.teacher.reader import CacheMismatch, TeacherCache, check_shard
-from kdexp.track import records
+from kdexp.track import cost, records
 
 log = logging.getLogger("kdexp")
 
@@ -178,6 +178,9 @@ def build(path: Path, key: dict, layout: fmt.Layout, teacher, dataset, micro_bat
         log.info("stage teacher_cache: resumed: kept %d finished shard(s), wrote %d", kept, written)
     distributed.barrier()
     if rank0:
+        # what this build pass cost (kdexp.track.cost): a report divides it over the runs that share the cache
+        build_cost = cost.build_record(wall_s=time.perf_counter() - started, tokens=layout.samples * layout.seq_length,
+                                       shards_written=written, shards_kept=kept, device=st.device)
         shards = {}
         for j in range(layout.shards):
             problem = check_shard(path, j)
@@ -185,7 +188,7 @@ def build(path: Path, key: dict, layout: fmt.Layout, teacher, dataset, micro_bat
                 raise RuntimeError(f"teacher cache {path}: after the build {problem}")
             shards[str(j)] = records.read_json(fmt.shard_file(path, j, "json"))
         records.write_json(path / fmt.MANIFEST, {"format": fmt.FORMAT, "key": key, "layout": layout.to_json(),
-                                                  "shards": shards})
+                                                  "shards": shards, "build": build_cost})
     distributed.barrier()
 
 
@@ -251,4 +254,5 @@ def ensure_at(path: Path, key: dict, layout: fmt.Layout, teacher, dataset, micro
             build(path, key, layout, teacher, dataset, micro_batch_size)
             cache = TeacherCache(path, key)
     distributed.barrier()
+    cost.note_cache(path)  # the run's cost record names the cache (and its build) it used
     return cache

@@ -69,10 +69,15 @@ def wandb_names(cfg: Any) -> dict:
     swept overrides only; falls back to all its overrides when there is no sweep.json."""
     h = hydra_node(cfg)
     overrides = list(h["overrides"]["task"])
-    keys = None
-    if is_multirun(h):
-        sweep = records.read_json(Path(str(h["sweep"]["dir"])) / records.SWEEP) or {}
-        planned = [p["overrides"] for p in sweep.get("points", []) if p.get("overrides") is not None]
-        if len(planned) > 1:
-            keys = sweep_keys(planned)
-    return {"group": wandb_group(h), "name": run_name(overrides, keys), "job_type": job_type(h)}
+    return {"group": wandb_group(h), "name": run_name(overrides, swept_keys(h)), "job_type": job_type(h)}
+
+
+def swept_keys(cfg: Any) -> Optional[list[str]]:
+    """The keys this run's sweep varies (from sweep.json's planned points), None outside a multirun or without a
+    plan of two or more points."""
+    h = hydra_node(cfg)
+    if not is_multirun(h):
+        return None
+    sweep = records.read_json(Path(str(h["sweep"]["dir"])) / records.SWEEP) or {}
+    planned = [p["overrides"] for p in sweep.get("points", []) if p.get("overrides") is not None]
+    return sweep_keys(planned) if len(planned) > 1 else None

@@ -19,7 +19,7 @@ import urllib.error
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from omegaconf import OmegaConf
 
@@ -66,7 +66,9 @@ def unreachable(url: str, timeout: float = PROBE_TIMEOUT_S) -> Optional[str]:
 
 class WandbLogger:
     def __init__(self, cfg, run_dir: Path, *, enabled: bool, name: str, group: Optional[str], job_type: str,
-                 overrides: Optional[list] = None):
+                 overrides: Optional[list] = None, tags: Sequence[str] = (), extra_config: Optional[dict] = None):
+        """``tags``: added after logger.wandb.tags (kdexp.track.loggers.run_tags: loss, teacher, experiment, arm,
+        swept keys); ``extra_config``: top-level keys added to the logged config (a reused point's reused_from)."""
         self.run = None
         self.mode: Optional[str] = None  # the mode the run really got ("offline" after a fallback)
         if not (enabled and cfg.logger.wandb.enabled):
@@ -94,11 +96,14 @@ class WandbLogger:
                 mode = "offline"
             elif "WANDB_INIT_TIMEOUT" not in os.environ:
                 settings["init_timeout"] = INIT_TIMEOUT_S
+        config = OmegaConf.to_container(cfg, resolve=True)
+        group = w.group or group
+        config["logger"]["wandb"]["group"] = group  # the group the run is in, not the null that means "the sweep's"
         kwargs = dict(
-            project=w.project, entity=w.entity, group=w.group or group, name=name, job_type=job_type,
-            tags=list(w.tags), dir=str(run_dir), id=run_id, resume="allow",
+            project=w.project, entity=w.entity, group=group, name=name, job_type=job_type,
+            tags=list(dict.fromkeys([*w.tags, *tags])), dir=str(run_dir), id=run_id, resume="allow",
             # the overrides too, so a report from the W&B group sees the same swept keys as one from run dirs
-            config={**OmegaConf.to_container(cfg, resolve=True), "overrides": list(overrides or [])})
+            config={**config, "overrides": list(overrides or []), **(extra_config or {})})
         try:
             self.run = wandb.init(mode=mode, settings=wandb.Settings(**settings), **kwargs)
         except Exception as err:

@@ -25,7 +25,8 @@ from kdexp import distributed
 from kdexp.config import config_hash
 from kdexp.track import faults, records, rundir, sweep
 from kdexp.train.errors import Diverged
-from kdexp.track.wandb_logger import WandbLogger
+from kdexp.track.cost import run_cost
+from kdexp.track.loggers import log_reused, open_loggers
 
 log = logging.getLogger("kdexp")
 
@@ -100,6 +101,7 @@ def _run_point(cfg, run_dir: Path, multirun: bool, overrides: list, hc) -> dict:
                          "diverged" if earlier["status"] == "diverged" else "finished", previous, key)
             if earlier["status"] == "diverged":
                 raise _diverged_before(run_dir, earlier, previous)
+            log_reused(cfg, run_dir, hc, summary, enabled=rank0, overrides=overrides)  # in this sweep's W&B group
             return summary
     else:
         previous = None
@@ -120,8 +122,7 @@ def _run_point(cfg, run_dir: Path, multirun: bool, overrides: list, hc) -> dict:
                            seed=cfg.trainer.seed)
     from kdexp.train.loop import distill  # megatron is imported only once the config is known good
 
-    wandb_logger = WandbLogger(cfg, run_dir, enabled=distributed.is_rank0(), overrides=overrides,
-                               **sweep.wandb_names(hc))
+    wandb_logger = open_loggers(cfg, run_dir, hc, enabled=distributed.is_rank0(), overrides=overrides)
     record = {"config_hash": key, "overrides": overrides, "steps": cfg.trainer.max_steps, "reused_from": None,
               "run_dir": str(run_dir), "wandb_id": rundir.wandb_id(run_dir)}
     try:
@@ -144,10 +145,12 @@ def _run_point(cfg, run_dir: Path, multirun: bool, overrides: list, hc) -> dict:
         wandb_logger.finish(exit_code=1)
         raise  # in a sweep, SweepCallback records it (point.json, error.log) and the other points go on
 
-    summary = {**record, "status": "finished", "wall_s": time.perf_counter() - started, "final": final,
-               "skipped_steps": int(final.get("train/skipped_steps", 0))}
+    wall_s = time.perf_counter() - started
+    summary = {**record, "status": "finished", "wall_s": wall_s, "final": final,
+               "skipped_steps": int(final.get("train/skipped_steps", 0)),
+               "cost": run_cost(cfg, wall_s=wall_s, device=distributed.state().device)}  # kdexp.track.cost
     if distributed.is_rank0():
-        wandb_logger.summary(final)
+        wandb_logger.summary({**final, "cost": summary["cost"]})  # W&B keeps the cost too (a report from the group)
         records.write_json(run_dir / records.SUMMARY, summary)  # last: its presence means the run finished
         index.claim(key, run_dir)  # later identical points reuse this finished run (it may have resumed another's)
         log.info("run dir: %s\n  metrics: %s\n  summary: %s%s", run_dir, run_dir / "metrics.jsonl",

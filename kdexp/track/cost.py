@@ -1,0 +1,96 @@
+"""What a run cost: the ``cost`` record of its summary.json (and what a teacher-cache build cost, in its manifest).
+
+    {"wall_s": 812.4, "device_count": 1, "device_kind": "NVIDIA H100 80GB HBM3", "device_hours": 0.2257,
+     "tokens": 819200, "student_flops": 1.2e15, "teacher_forward_flops": 3.4e14,
+     "cache": {"path": ".../teacher_cache/ab12", "build": {"wall_s": .., "device_count": .., "device_kind": ..,
+               "device_hours": .., "tokens": .., "shards_written": .., "shards_kept": ..},
+               "teacher_forward_flops": 2.7e14}}
+
+FLOPs are model FLOPs by kdexp.plan's formulas (kdexp.plan.flops_per_token), for the training steps only (the
+evaluation passes are not counted); with ``teacher=cached`` the step runs no teacher (``teacher_forward_flops`` 0)
+and the cache build's teacher pass is recorded under ``cache``, once per build: the report divides it over the
+points of a sweep that share the cache (kdexp.report.cost). ``wall_s`` is this process's time in the point (a run
+resumed after a kill counts its last attempt only); device-hours = wall_s x device_count / 3600, and like tokens/s
+it depends on the machine and its load.
+"""
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+from typing import Any, Optional
+
+from kdexp.track import records
+
+_USED_CACHE: list[str] = []  # the teacher cache this process's current run opened (kdexp.teacher.writer notes it)
+
+
+def note_cache(path: str | Path) -> None:
+    """Called by the teacher cache when a run opens it: the run's cost names the cache it used."""
+    _USED_CACHE[:] = [str(path)]
+
+
+def device_info(device: Any = None) -> tuple[int, str]:
+    """(device count, device kind) of the running job: the world size (one device per process), and the GPU's name
+    on CUDA, else 'cpu (<arch>)'."""
+    import torch
+    import torch.distributed as dist
+
+    count = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    on_cuda = device is not None and getattr(device, "type", str(device)) == "cuda"
+    if on_cuda and torch.cuda.is_available():
+        return count, torch.cuda.get_device_name(device)
+    return count, f"cpu ({platform.machine() or 'unknown'})"
+
+
+def device_hours(wall_s: float, device_count: int) -> float:
+    return wall_s * device_count / 3600.0
+
+
+def build_record(*, wall_s: float, tokens: int, shards_written: int, shards_kept: int, device: Any = None) -> dict:
+    """A teacher cache build's cost, for its manifest."""
+    count, kind = device_info(device)
+    return {"wall_s": wall_s, "device_count": count, "device_kind": kind,
+            "device_hours": device_hours(wall_s, count), "tokens": tokens, "shards_written": shards_written,
+            "shards_kept": shards_kept}
+
+
+def tokens_per_step(cfg: Any, world_size: int) -> int:
+    """Tokens one optimizer step trains on: the global batch (the trainer's own accumulation rule) x seq_length."""
+    from kdexp.config.checks import accumulation_steps
+
+    t, par = cfg.trainer, cfg.parallel
+    dp = max(1, world_size // (int(par.tensor) * int(getattr(par, "pipeline", 1) or 1)))
+    micro = int(t.micro_batch_size)
+    return accumulation_steps(t.global_batch_size, micro, dp) * micro * dp * int(t.seq_length)
+
+
+def run_cost(cfg: Any, *, wall_s: float, device: Any = None) -> dict:
+    """The cost record of a run that trained cfg.trainer.max_steps steps in ``wall_s`` seconds."""
+    from kdexp.plan import flops_per_token
+
+    count, kind = device_info(device)
+    tokens = int(cfg.trainer.max_steps) * tokens_per_step(cfg, count)
+    cached = cfg.teacher.name == "cached"
+    cost: dict[str, Any] = {"wall_s": wall_s, "device_count": count, "device_kind": kind,
+                            "device_hours": device_hours(wall_s, count), "tokens": tokens,
+                            "student_flops": None, "teacher_forward_flops": None, "cache": None}
+    try:
+        per_token = flops_per_token(cfg)
+    except Exception as exc:  # noqa: BLE001 - a finished run must not fail on its bookkeeping
+        per_token = {"student": None, "teacher_forward": None}
+        cost["flops_error"] = f"{type(exc).__name__}: {exc}"
+    else:
+        cost["student_flops"] = per_token["student"] * tokens
+        cost["teacher_forward_flops"] = 0.0 if cached else per_token["teacher_forward"] * tokens
+    used = _USED_CACHE[:]
+    _USED_CACHE.clear()  # a sweep's next point in this process must not inherit it
+    if cached and used:
+        manifest = records.read_json(Path(used[0]) / "manifest.json") or {}
+        build: Optional[dict] = manifest.get("build")
+        cost["cache"] = {"path": used[0], "build": build,
+                         "teacher_forward_flops": per_token["teacher_forward"] * build["tokens"]
+                         if build and build.get("tokens") and per_token["teacher_forward"] else None}
+    return cost
+
+
+__all__ = ["run_cost", "build_record", "note_cache", "device_info", "device_hours", "tokens_per_step"]
