@@ -159,6 +159,7 @@ BAD = [
     (["model.student=giant"], "model.student", "tiny-student"),
     (["model.params_dtype=float8"], "model.params_dtype", "bfloat16"),
     (["model.embedded_teacher=cloud"], "model.embedded_teacher", "shipped, pretrain"),
+    (["model.attention=flash"], "model.attention", "must be one of sdpa, megatron"),
     (["data.vocab_size=4096"], "data.vocab_size", "must be 2048 with model.embedded_teacher=shipped .*embedded_teacher=pretrain"),
     (["model.teacher=tiny-student"], "model.teacher", "'tiny-teacher' with model.embedded_teacher=shipped"),
     (["model.teacher_pretrain_steps=0"], "model.teacher_pretrain_steps", ">= 1"),

@@ -23,6 +23,9 @@ class ModelConfig:
     teacher_path: Optional[str] = None  # local HF checkpoint dir; required for real (non-tiny) teachers
     student_path: Optional[str] = None  # local HF checkpoint dir to start the student from; None = random init
     params_dtype: str = "float32"  # float32 | bfloat16
+    # core attention of teacher and student: sdpa (torch's fused scaled_dot_product_attention: flash / memory-efficient
+    # kernels, no [s, s] score tensor) | megatron (megatron-core's unfused DotProductAttention)
+    attention: str = "sdpa"
     # Embedded default only (no teacher_path): `shipped` loads the teacher trained once by this project's recipe and
     # shipped with the package with its tokenizer (kdexp/assets/teacher); `pretrain` pretrains one here with the
     # recipe below, once per cache (kdexp.train.teacher).

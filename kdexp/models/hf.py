@@ -130,7 +130,7 @@ def read_config(path) -> dict:
 def load_hf(path, *, params_dtype=torch.float32, **build_kwargs):
     """Build a GPTModel from a local HF Qwen3 checkpoint dir, sharded for the current TP size (reads only its shard).
 
-    `build_kwargs` (recompute, sequence_parallel) go to kdexp.models.build."""
+    `build_kwargs` (recompute, sequence_parallel, attention) go to kdexp.models.build."""
     from megatron.core import parallel_state as ps
 
     path = Path(path)

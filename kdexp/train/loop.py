@@ -44,7 +44,8 @@ def student_dtype(cfg) -> torch.dtype:
 
 def build_student(cfg, vocab_size: int) -> torch.nn.Module:
     dtype = student_dtype(cfg)
-    memory = {"recompute": cfg.trainer.recompute, "sequence_parallel": cfg.parallel.sequence}
+    memory = {"recompute": cfg.trainer.recompute, "sequence_parallel": cfg.parallel.sequence,
+              "attention": cfg.model.attention}
     if cfg.model.student_path is not None:
         return models.load_hf(cfg.model.student_path, params_dtype=dtype, **memory)
     name = cfg.model.student
