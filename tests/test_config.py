@@ -177,7 +177,6 @@ BAD = [
     (["parallel.sequence=true"], "parallel.sequence", "needs parallel.tensor > 1"),
     (["parallel.tensor=2", "parallel.sequence=true", "trainer.seq_length=255"], "parallel.sequence",
      "seq_length=255 divisible by parallel.tensor=2"),
-    (["parallel.tensor=2", "parallel.sequence=true"], "parallel.sequence", "not supported yet: .* Transformer Engine"),
     # logger, paths
     (["logger.wandb.mode=sometimes"], "logger.wandb.mode", "online, offline, disabled, null"),
     (["logger=none", "logger.wandb.mode=online"], "logger.wandb.mode", "W&B is off .* would be ignored"),

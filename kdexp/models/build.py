@@ -98,12 +98,18 @@ ATTENTION = ("sdpa", "megatron")  # model.attention
 
 
 def layer_spec(attention: str = "sdpa"):
-    """megatron's local GPT layer spec with Qwen3's q/k RMSNorm, its core attention per `attention`."""
+    """megatron's local GPT layer spec with Qwen3's q/k RMSNorm, its core attention per `attention`, every norm
+    kdexp.models.norms.RMSNorm (torch's RMSNorm that megatron accepts under sequence parallelism)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from kdexp.models.norms import RMSNorm
 
     if attention not in ATTENTION:
         raise ValueError(f"model.attention={attention!r} is invalid: must be one of {', '.join(ATTENTION)}")
     spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm
+    attn = spec.submodules.self_attention.submodules
+    attn.q_layernorm = attn.k_layernorm = RMSNorm
     if attention == "sdpa":
         from kdexp.models.attention import SDPAttention
 
@@ -121,6 +127,9 @@ def build(spec: Qwen3Spec, *, params_dtype=torch.float32, init: bool = True, rec
     core attention (see layer_spec).
     """
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from kdexp.models.norms import RMSNorm, mark_tp_summed
 
     tp = _tp_size()
     check_tp(spec, tp)
@@ -128,7 +137,9 @@ def build(spec: Qwen3Spec, *, params_dtype=torch.float32, init: bool = True, rec
                                 sequence_parallel=sequence_parallel)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(attention),
+        # the block spec names the final norm too (from a layer spec megatron would pick WrappedTorchNorm)
+        transformer_layer_spec=TransformerBlockSubmodules(layer_specs=[layer_spec(attention)] * spec.num_layers,
+                                                          layer_norm=RMSNorm),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=True,
@@ -140,6 +151,7 @@ def build(spec: Qwen3Spec, *, params_dtype=torch.float32, init: bool = True, rec
     )
     if not init:
         _mark_tp_attributes(model)
+    mark_tp_summed(model, tp, sequence_parallel)
     if params_dtype != torch.float32:
         # Why: megatron leaves the torch RMSNorm weights in fp32; its training wraps the model in Float16Module,
         # which casts every parameter. The same here, so a bf16 build, a cast teacher and the megatron path agree.
@@ -236,9 +248,16 @@ def _decoder_layers(model):
     return _unwrap(model).decoder.layers
 
 
-def _keep_hidden(store: dict, index: int, module, args, output) -> None:
-    # A megatron TransformerLayer returns (hidden_states, context); hidden_states is [s, b, h].
-    store[index] = output[0] if isinstance(output, tuple) else output
+def _keep_hidden(store: dict, index: int, gather: bool, module, args, output) -> None:
+    # A megatron TransformerLayer returns (hidden_states, context); hidden_states is [s, b, h] ([s/t, b, h] under
+    # sequence parallelism: gathered here, its backward handing each rank the gradient of its own slice).
+    hidden = output[0] if isinstance(output, tuple) else output
+    if gather:
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        # the loss on the gathered states is the same on every TP rank (replicated), so the backward only splits
+        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+    store[index] = hidden
 
 
 @contextlib.contextmanager
@@ -246,8 +265,9 @@ def capture_hidden(model, layers):
     """Within the block, forwards of `model` record the output of each decoder layer in `layers` (0-based; the
     layer's output before the final norm, megatron's [s, b, h] layout) in the dict this yields: {index: tensor}.
 
-    The hidden states are replicated over the tensor-parallel ranks (each layer ends in a RowParallelLinear
-    all-reduce) as long as sequence parallelism is off, which kdexp's models never turn on (checked here).
+    The hidden states are whole and replicated over the tensor-parallel ranks: each layer ends in a RowParallelLinear
+    all-reduce, and under sequence parallelism (its reduce-scatter leaves [s/t, b, h] per rank) they are all-gathered
+    here, differentiably.
     """
     store: dict = {}
     layers = sorted(set(layers))
@@ -255,9 +275,8 @@ def capture_hidden(model, layers):
         yield store
         return
     decoder = _decoder_layers(model)
-    if getattr(decoder[0].config, "sequence_parallel", False):
-        raise ValueError("hidden-state losses need full (replicated) hidden states: sequence parallelism shards them")
-    handles = [decoder[i].register_forward_hook(functools.partial(_keep_hidden, store, i)) for i in layers]
+    gather = bool(getattr(decoder[0].config, "sequence_parallel", False))
+    handles = [decoder[i].register_forward_hook(functools.partial(_keep_hidden, store, i, gather)) for i in layers]
     try:
         yield store
     finally:
