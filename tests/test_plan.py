@@ -76,6 +76,46 @@ def test_activation_bytes_are_what_autograd_saves(dtype, e, attention):
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "megatron"])
+def _tp2_saved_worker(rank, world_size):
+    from kdexp import distributed
+
+    distributed.initialize(tensor_parallel=2, seed=3)
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for dtype, e in ((torch.float32, 4), (torch.bfloat16, 2)):
+        for sp in (False, True):
+            for attention in ("sdpa", "megatron"):
+                out[(e, sp, attention)] = {n: _saved_bytes(models.build(_spec(layers=n), params_dtype=dtype,
+                                                                        attention=attention, sequence_parallel=sp),
+                                                           ids) for n in (1, 3)}
+    return out
+
+
+@pytest.mark.slow
+def test_activation_bytes_under_tensor_and_sequence_parallel_are_what_autograd_saves():
+    """TP 2 with and without sequence parallelism, both attentions, on two gloo processes: bf16 per layer exactly;
+    fp32 within one fp32 [heads/t x head_dim] per token and layer above (the fp32 q/k-norm term at TP 2), and outside
+    the layers within 8 bytes per token above (the embedding's masked ids): the plan stays an upper bound."""
+    from kdexp.distributed.testing import run_on_processes
+
+    tokens = B * S
+    for res in run_on_processes(_tp2_saved_worker, 2):
+        for (e, sp, attention), measured in res.items():
+            par = sizing.Parallel(2, sequence=sp)
+            layer = sizing.layer_bytes(_spec(), tokens, S, e, par, attention=attention)["kept"]
+            outside = sizing.outside_layers_bytes(_spec(), tokens, S, e, par, attention)
+            per_layer = (measured[3] - measured[1]) / 2
+            slack = 0 if e == 2 else tokens * 4 * (A // 2) * D
+            assert 0 <= layer - per_layer <= slack, (e, sp, attention, layer, per_layer)
+            assert 0 <= layer + outside - measured[1] <= slack + 8 * tokens, (e, sp, attention)
+        # sequence parallelism divides the norms' and the column-parallel inputs' activations by t (measured)
+        for e in (4, 2):
+            for attention in ("sdpa", "megatron"):
+                plain, split = res[(e, False, attention)], res[(e, True, attention)]
+                cut = ((plain[3] - plain[1]) - (split[3] - split[1])) / 2  # per layer
+                assert cut == tokens * (2 * (8 * H + 4) + 2 * e * H) / 2, (e, attention)
+
+
 def test_tensor_parallel_sequence_parallel_and_recompute_by_hand(attention):
     spec, n, e = _spec(), B * S, 2
     layer = functools.partial(sizing.layer_bytes, spec, n, S, e, attention=attention)
