@@ -31,7 +31,7 @@ class ModelConfig:
     # recipe below, once per cache (kdexp.train.teacher).
     embedded_teacher: str = "shipped"  # shipped | pretrain
     # model.embedded_teacher=pretrain: the tiny teacher is pretrained on the corpus once, then cached.
-    # Chosen by measurement (README "How peaked is the teacher", python -m kdexp.bench.teacher --curve): at the same
+    # Chosen by measurement (docs/benchmarks.md, python -m kdexp.bench.teacher --curve): at the same
     # CPU cost, 600 steps of 4 samples (val LM loss 4.76, top-1 0.17, median nucleus 714) beat 300 steps of 8 at a 3x
     # higher peak LR, 1e-2 (5.28, 0.10, 798); twice the first recipe's 300 steps, pretrained once per cache.
     teacher_pretrain_steps: int = 600

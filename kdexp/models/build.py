@@ -91,6 +91,9 @@ def transformer_config(spec: Qwen3Spec, *, params_dtype=torch.float32, tp: int =
         use_cpu_initialization=init or not torch.cuda.is_available(),
         # load_hf overwrites every weight; skip the random init there.
         perform_initialization=init,
+        # No CUDA graphs. megatron's default scope, "full", is deprecated and warns on every model built; the empty
+        # list is the same setting in its current spelling.
+        cuda_graph_scope=[],
     )
 
 

@@ -52,8 +52,35 @@ def _default_gpus(tp: int) -> int:
     return world if world > 1 and world % tp == 0 else tp
 
 
+DESCRIPTION = """Size a kdexp run before it launches: memory per GPU item by item, FLOPs per token and tokens/s at
+an assumed MFU. Takes kdexp.run's overrides; needs no weights, data or GPU."""
+
+EPILOG = """how to read the table:
+  first line          teacher -> student, GPUs = TP x DP, precision, micro-batch x seq, global batch (micro-batches
+                      per DP rank and step)
+  per GPU ... GiB     torch's allocated peak at the start of the student's backward, one line per item: weights
+                      (teacher: no grads), student gradients and optimizer state (split over DP with
+                      trainer.distributed_optimizer=true), activations of one micro-batch (by recompute mode),
+                      both models' logits [micro x seq, V/TP], logit gradients, the KD loss's saved values and
+                      chunk buffer (with teacher=cached: the decoded cache record instead of teacher logits)
+  peak allocated      the sum: what torch.cuda.max_memory_allocated should report
+  reserve             CUDA context, NCCL, allocator fragmentation (1 GiB + 5%)
+  needs               peak + reserve, compared with trainer.gpu_memory_gb when set ("fits" / "DOES NOT FIT";
+                      kdexp.run refuses a config that does not fit, exit 2)
+  FLOPs per token     model FLOPs: student fwd+bwd, teacher fwd, attention over the full s x s scores
+  tokens/s at MFU     per GPU and in total at --mfu of trainer.gpu_peak_tflops, and the seconds per optimizer step
+
+example (Qwen3-1.7B -> 0.6B on one 8-GPU node; docs/scale.md shows its output):
+  python -m kdexp.plan --gpus 8 model=qwen3 trainer.precision=bf16 trainer.micro_batch_size=2 \\
+      trainer.global_batch_size=256 trainer.seq_length=4096 trainer.recompute=selective \\
+      trainer.distributed_optimizer=true parallel.tensor=2 trainer.gpu_memory_gb=79.6
+
+exit status: 0 the plan printed; 2 a bad command line or config (one line)."""
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kdexp.plan", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m kdexp.plan", description=DESCRIPTION, epilog=EPILOG,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gpus", type=int, default=None,
                     help="GPUs of the run (default: $WORLD_SIZE / $SLURM_NTASKS, else parallel.tensor: DP=1)")
     ap.add_argument("--mfu", type=float, default=DEFAULT_MFU, help="model FLOPs utilisation assumed (0, 1]")

@@ -86,7 +86,7 @@ class SweepCallback(Callback):
             return
         sweep = rebuild_sweep(hydra_sweep_dir(config.hydra))
         self._refresh_report(hydra_sweep_dir(config.hydra), live=False)
-        print("\n".join(end_lines(sweep)), flush=True)
+        print("\n".join(end_lines(sweep, dashboard=self.report)), flush=True)
         if self.fail_exit and any(sweep["counts"][s] for s in records.ENDED_BADLY):
             raise SystemExit(1)  # not an Exception: Hydra's callback wrapper would turn that into a warning
 
@@ -135,6 +135,6 @@ class SweepCallback(Callback):
                     if isinstance(value, Mapping) else {}
             point = record_point(run_dir, status, metrics=metrics, ended=records.now(),
                                  error=summary.get("error") if status in records.ENDED_BADLY else None)
-        print(progress_line(rebuild_sweep(hydra_sweep_dir(config.hydra))), flush=True)
+        print(progress_line(rebuild_sweep(hydra_sweep_dir(config.hydra)), dashboard=self.report), flush=True)
         self._refresh_report(hydra_sweep_dir(config.hydra))
         return point

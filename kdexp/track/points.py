@@ -126,22 +126,45 @@ def report_command(sweep_dir: str | Path) -> str:
     return f"python -m kdexp.report {sweep_dir}"
 
 
-def progress_line(sweep: Mapping[str, Any]) -> str:
+def dashboard_path(sweep_dir: str | Path) -> Path:
+    """The sweep's live dashboard (kdexp.report.live keeps it current while the sweep runs)."""
+    return Path(sweep_dir) / "report" / "index.html"
+
+
+def progress_line(sweep: Mapping[str, Any], dashboard: bool = False) -> str:
+    """``dashboard``: the sweep keeps its report current, so the line points at it instead of a command that builds
+    it."""
     c = sweep["counts"]
     total = max(sweep.get("total") or 0, len(sweep["points"]))
+    where = f"dashboard: {dashboard_path(sweep['sweep_dir'])}" if dashboard else \
+        f"report: {report_command(sweep['sweep_dir'])}"
     return (f"[sweep] {c['finished'] + c['reused']}/{total} done, {c['running']} running, {c['failed']} failed,"
-            f" {c['diverged']} diverged - report: {report_command(sweep['sweep_dir'])}")
+            f" {c['diverged']} diverged - {where}")
 
 
-def end_lines(sweep: Mapping[str, Any]) -> list[str]:
-    """The sweep's last words: the counts, then one line per failed or diverged point naming its error.log."""
+def wandb_sync_line(sweep_dir: str | Path) -> Optional[str]:
+    """One ``wandb sync`` command for every point's offline W&B run (None when no point logged offline)."""
+    if not any(Path(sweep_dir).glob("*/wandb/offline-run-*")):
+        return None
+    return f"wandb sync {Path(sweep_dir)}/*/wandb/offline-run-*"
+
+
+def end_lines(sweep: Mapping[str, Any], dashboard: bool = False) -> list[str]:
+    """The sweep's last words: the counts, one line per failed or diverged point naming its error.log, then where
+    the report is (``dashboard``: the sweep built it, so its path; else the command that builds it) and the one
+    command that uploads the sweep's offline W&B runs."""
     c = sweep["counts"]
     lines = [f"[sweep] ended: {c['finished']} finished, {c['reused']} reused, {c['failed']} failed,"
              f" {c['diverged']} diverged, {c['running'] + c['pending']} not finished, of {sweep['total']}"
-             f" - {Path(sweep['sweep_dir']) / records.SWEEP}",
-             f"[sweep] report: {report_command(sweep['sweep_dir'])}"]
+             f" - {Path(sweep['sweep_dir']) / records.SWEEP}"]
     for p in sweep["points"]:
         if p.get("status") in records.ENDED_BADLY:
             lines.append(f"[sweep] {p['status']} #{p.get('num')}: {p.get('name') or run_name(p.get('overrides') or [])}:"
                          f" {p.get('error')} (see {p.get('run_dir')}/{records.ERROR_LOG})")
+    html = dashboard_path(sweep["sweep_dir"])
+    lines.append(f"[sweep] report: {html}" if dashboard and html.is_file() else
+                 f"[sweep] report: {report_command(sweep['sweep_dir'])}")
+    sync = wandb_sync_line(sweep["sweep_dir"])
+    if sync is not None:
+        lines.append(f"[sweep] upload to W&B: {sync}")
     return lines

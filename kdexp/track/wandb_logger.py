@@ -79,6 +79,10 @@ class WandbLogger:
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:8]
         id_file.write_text(run_id + "\n")
         settings = {"console": "off", "quiet": True}
+        if "WANDB_SILENT" not in os.environ:
+            # wandb's banner (offline mode, where the data is, `wandb leet`) on every run says nothing the run's own
+            # last lines do not: kdexp prints the run's W&B dir and the `wandb sync` command. WANDB_SILENT=false shows it.
+            settings["silent"] = True
         if mode == "online":
             url = base_url()
             started = time.perf_counter()

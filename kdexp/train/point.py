@@ -31,10 +31,12 @@ log = logging.getLogger("kdexp")
 
 
 def _quiet_megatron() -> None:
-    """megatron-core logs every dataset index step at INFO and warns about optional fused kernels it can do without."""
+    """megatron-core logs every dataset index step at INFO and warns about optional fused kernels it can do without.
+    The filters name megatron's modules, so that a warning of kdexp's (or another library's) with the same words
+    still shows."""
     logging.getLogger("megatron").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-    warnings.filterwarnings("ignore", message=".*(Apex|apex|TransformerEngine|transformer_engine).*")
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*", module=r"megatron\.")
+    warnings.filterwarnings("ignore", message=".*(Apex|apex|TransformerEngine|transformer_engine).*", module=r"megatron\.")
 
 
 def _identity(cfg):
