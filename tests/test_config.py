@@ -159,6 +159,7 @@ BAD = [
     (["model.student=giant"], "model.student", "tiny-student"),
     (["model.params_dtype=float8"], "model.params_dtype", "bfloat16"),
     (["model.embedded_teacher=cloud"], "model.embedded_teacher", "shipped, pretrain"),
+    (["model.attention=flash"], "model.attention", "must be one of sdpa, megatron"),
     (["data.vocab_size=4096"], "data.vocab_size", "must be 2048 with model.embedded_teacher=shipped .*embedded_teacher=pretrain"),
     (["model.teacher=tiny-student"], "model.teacher", "'tiny-teacher' with model.embedded_teacher=shipped"),
     (["model.teacher_pretrain_steps=0"], "model.teacher_pretrain_steps", ">= 1"),
@@ -176,7 +177,6 @@ BAD = [
     (["parallel.sequence=true"], "parallel.sequence", "needs parallel.tensor > 1"),
     (["parallel.tensor=2", "parallel.sequence=true", "trainer.seq_length=255"], "parallel.sequence",
      "seq_length=255 divisible by parallel.tensor=2"),
-    (["parallel.tensor=2", "parallel.sequence=true"], "parallel.sequence", "not supported yet: .* Transformer Engine"),
     # logger, paths
     (["logger.wandb.mode=sometimes"], "logger.wandb.mode", "online, offline, disabled, null"),
     (["logger=none", "logger.wandb.mode=online"], "logger.wandb.mode", "W&B is off .* would be ignored"),

@@ -1,6 +1,6 @@
 """In-process checks of the scale features on a tiny GPTModel: bf16 master weights (MasterAdamW against a float64 /
 fp32 AdamW reference), activation recompute (same loss and gradients as none), the megatron recompute settings and
-the bf16 teacher cast. (parallel.sequence is a config error for now: see tests/test_config.py.)"""
+the bf16 teacher cast. (Sequence parallelism: tests/test_sequence_parallel.py.)"""
 from __future__ import annotations
 
 import pytest

@@ -4,6 +4,7 @@ torch's FlopCounterMode, the recompute / sequence-parallel cases and the logit b
 recompute needs CUDA's RNG, so it cannot run here), and kdexp.run's refusal of a config that does not fit."""
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -54,49 +55,98 @@ def test_parameters_per_rank_are_the_built_models_numel(tie):
     assert sizing.params_per_rank(spec, 2) == 2 * layer + V * H // 2 * (1 if tie else 2) + H
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "megatron"])
 @pytest.mark.parametrize("dtype,e", [(torch.float32, 4), (torch.bfloat16, 2)])
-def test_activation_bytes_are_what_autograd_saves(dtype, e):
+def test_activation_bytes_are_what_autograd_saves(dtype, e, attention):
     ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
     with lone_process(seed=3):
         from megatron.core import parallel_state
 
-        measured = {n: _saved_bytes(models.build(_spec(layers=n), params_dtype=dtype), ids) for n in (1, 3)}
+        measured = {n: _saved_bytes(models.build(_spec(layers=n), params_dtype=dtype, attention=attention), ids)
+                    for n in (1, 3)}
         buffers = parallel_state.get_global_memory_buffer().buffer  # the attention's score buffer, kept
         held = sum(t.numel() * t.element_size() for t in buffers.values())
-    assert held == sizing.attention_buffer_bytes([_spec()], B, S, e, 1)
-    layer = sizing.layer_bytes(_spec(), B * S, S, e, sizing.Parallel())
-    outside = sizing.outside_layers_bytes(_spec(), B * S, S, e, sizing.Parallel())
+    assert held == sizing.attention_buffer_bytes([_spec()], B, S, e, 1, attention)
+    assert (held == 0) == (attention == "sdpa")
+    layer = sizing.layer_bytes(_spec(), B * S, S, e, sizing.Parallel(), attention=attention)
+    outside = sizing.outside_layers_bytes(_spec(), B * S, S, e, sizing.Parallel(), attention)
     assert layer["working"] == 0
     assert (measured[3] - measured[1]) / 2 == layer["kept"]  # per layer, exactly
     assert measured[1] == layer["kept"] + outside
 
 
-def test_tensor_parallel_sequence_parallel_and_recompute_by_hand():
+@pytest.mark.parametrize("attention", ["sdpa", "megatron"])
+def _tp2_saved_worker(rank, world_size):
+    from kdexp import distributed
+
+    distributed.initialize(tensor_parallel=2, seed=3)
+    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
+    out = {}
+    for dtype, e in ((torch.float32, 4), (torch.bfloat16, 2)):
+        for sp in (False, True):
+            for attention in ("sdpa", "megatron"):
+                out[(e, sp, attention)] = {n: _saved_bytes(models.build(_spec(layers=n), params_dtype=dtype,
+                                                                        attention=attention, sequence_parallel=sp),
+                                                           ids) for n in (1, 3)}
+    return out
+
+
+@pytest.mark.slow
+def test_activation_bytes_under_tensor_and_sequence_parallel_are_what_autograd_saves():
+    """TP 2 with and without sequence parallelism, both attentions, on two gloo processes: bf16 per layer exactly;
+    fp32 within one fp32 [heads/t x head_dim] per token and layer above (the fp32 q/k-norm term at TP 2), and outside
+    the layers within 8 bytes per token above (the embedding's masked ids): the plan stays an upper bound."""
+    from kdexp.distributed.testing import run_on_processes
+
+    tokens = B * S
+    for res in run_on_processes(_tp2_saved_worker, 2):
+        for (e, sp, attention), measured in res.items():
+            par = sizing.Parallel(2, sequence=sp)
+            layer = sizing.layer_bytes(_spec(), tokens, S, e, par, attention=attention)["kept"]
+            outside = sizing.outside_layers_bytes(_spec(), tokens, S, e, par, attention)
+            per_layer = (measured[3] - measured[1]) / 2
+            slack = 0 if e == 2 else tokens * 4 * (A // 2) * D
+            assert 0 <= layer - per_layer <= slack, (e, sp, attention, layer, per_layer)
+            assert 0 <= layer + outside - measured[1] <= slack + 8 * tokens, (e, sp, attention)
+        # sequence parallelism divides the norms' and the column-parallel inputs' activations by t (measured)
+        for e in (4, 2):
+            for attention in ("sdpa", "megatron"):
+                plain, split = res[(e, False, attention)], res[(e, True, attention)]
+                cut = ((plain[3] - plain[1]) - (split[3] - split[1])) / 2  # per layer
+                assert cut == tokens * (2 * (8 * H + 4) + 2 * e * H) / 2, (e, attention)
+
+
+def test_tensor_parallel_sequence_parallel_and_recompute_by_hand(attention):
     spec, n, e = _spec(), B * S, 2
-    one = sizing.layer_bytes(spec, n, S, e, sizing.Parallel(1))["kept"]
+    layer = functools.partial(sizing.layer_bytes, spec, n, S, e, attention=attention)
+    one = layer(sizing.Parallel(1))["kept"]
     rope = 4 * S * D * e  # cos/sin of q and k: per layer, not per token, not split
     whole = 2 * (8 * H + 4) + 2 * e * H  # two RMSNorms (fp32 input copy, normalised, rstd) + qkv and fc1 inputs
-    tp2 = sizing.layer_bytes(spec, n, S, e, sizing.Parallel(2))["kept"]
-    sp2 = sizing.layer_bytes(spec, n, S, e, sizing.Parallel(2, sequence=True))["kept"]
+    tp2 = layer(sizing.Parallel(2))["kept"]
+    sp2 = layer(sizing.Parallel(2, sequence=True))["kept"]
     assert sp2 - rope == pytest.approx((one - rope) / 2)  # sequence parallel: every per-token term split
     assert tp2 - sp2 == pytest.approx(n * whole / 2)  # without it the norms and linear inputs stay whole
     # selective (megatron's core_attn): the core's q, repeated k and v and the scores (fp32 softmax + bf16 copy)
     # give way to its inputs q, k and the qkv output that v views; the core is rebuilt for one layer at a time.
-    core = 3 * e * A * D + 6 * A * S
+    # SDPA's core is those inputs and the fp32 log-sum-exp per head: selective recompute drops only the latter.
     inputs = e * A * D + e * G * D + e * (A + 2 * G) * D
-    sel = sizing.layer_bytes(spec, n, S, e, sizing.Parallel(1), "selective")
+    core = 3 * e * A * D + 6 * A * S if attention == "megatron" else inputs + 4 * A
+    sel = layer(sizing.Parallel(1), "selective")
     assert one - sel["kept"] == n * (core - inputs) and sel["working"] == n * core
-    full = sizing.layer_bytes(spec, n, S, e, sizing.Parallel(2, sequence=True), "full")
+    full = layer(sizing.Parallel(2, sequence=True), "full")
     assert full == {"kept": n * e * H / 2, "working": sp2}
     with pytest.raises(ValueError, match="trainer.recompute='some'"):
-        sizing.layer_bytes(spec, n, S, e, sizing.Parallel(), "some")
+        layer(sizing.Parallel(), "some")
+    with pytest.raises(ValueError, match="model.attention='flash'"):
+        sizing.layer_bytes(spec, n, S, e, sizing.Parallel(), attention="flash")
 
 
 def test_flops_are_torchs_flop_count():
     spec = _spec(tie=False)
     ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(0))
     with lone_process(seed=3):
-        model = models.build(spec)
+        # model FLOPs are the same for both attentions; torch's counter has no formula for the CPU flash kernel
+        model = models.build(spec, attention="megatron")
         with FlopCounterMode(display=False) as fwd:
             models.vocab_parallel_logits(model, ids)
         with FlopCounterMode(display=False) as both:
@@ -167,7 +217,10 @@ def test_the_smoke_plan_item_by_item():
     assert items["KD loss chunk buffer"] == n * sizing.KD_CHUNK_K_ARRAYS * 1025 * 4  # no nucleus cut
     bf16 = {name: b for name, b, _ in make_plan(_cfg("trainer.precision=bf16")).items}
     assert bf16["KD loss chunk buffer"] == n * (v + 1 + sizing.KD_CHUNK_K_ARRAYS * 1025) * 4
-    assert items["attention score buffer"] == 2 * 4 * 64 * 64 * 4  # micro x heads (4, both) x s x s, fp32
+    assert "attention score buffer" not in items  # model.attention=sdpa: no score tensor
+    unfused_attn = {name: b for name, b, _ in make_plan(_cfg("model.attention=megatron")).items}
+    assert unfused_attn["attention score buffer"] == 2 * 4 * 64 * 64 * 4  # micro x heads (4, both) x s x s, fp32
+    assert unfused_attn["activations"] > items["activations"]
     assert p.peak == sum(items.values()) and p.reserve == GiB + 0.05 * p.peak
     assert p.flops["total"] == sizing.flops_per_token(student, 64, backward=True) + \
         sizing.flops_per_token(teacher, 64, backward=False)
@@ -200,7 +253,7 @@ def test_kdexp_run_refuses_a_config_that_does_not_fit(tmp_path):
                 f"hydra.run.dir={tmp_path / 'run'}")
     assert r.returncode == 2, r.stderr[-2000:]
     (line,) = [x for x in r.stderr.splitlines() if x.startswith("kdexp:")]
-    assert line.startswith("kdexp: error: trainer.gpu_memory_gb=0.5 is invalid: the plan needs 1.04 GiB per GPU")
+    assert line.startswith("kdexp: error: trainer.gpu_memory_gb=0.5 is invalid: the plan needs 1.03 GiB per GPU")
     assert "biggest: teacher weights" in line and "Traceback" not in r.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before anything was built
 
@@ -224,7 +277,7 @@ def test_the_cli_prints_the_real_qwen3_plan_without_weights_and_rejects_bad_inpu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [(), ("loss=dense", "balancer.alpha=1.0")])
+@pytest.mark.parametrize("overrides", [(), ("loss=dense", "balancer.alpha=1.0"), ("model.attention=megatron",)])
 def test_the_plan_bounds_a_real_train_step_from_above(overrides):
     """One trainer step (kdexp.train.step.train_step, after a first step allocated the optimizer state) on the CPU:
     the peak of the tensor storages it creates (kdexp.bench.losses.PeakTensorMemory) against the plan's items that

@@ -2,6 +2,7 @@
 
     python -m kdexp.bench.gpu [--steps 6] [--tokens 2048] [--vocab 151936] [--scale-steps 50] [--seq 4096]
                               [--micro 1] [--recompute none] [--teacher 1.7b] [--student 0.6b] [--keep DIR]
+                              [--attention sdpa]
 
 1. The KD loss benchmark's configurations (kdexp.bench.losses) at Qwen3's vocabulary (151,936), fp32 and bf16 inputs:
    fwd+bwd time and peak extra memory (torch.cuda.max_memory_allocated) of kdexp, of the plain PyTorch version and,
@@ -14,6 +15,11 @@
    bf16 (trainer.precision=bf16 where the schema has it), seq 4096, --scale-steps KD steps through the trainer's own
    setup and step, then LM-only steps: tokens/s, MFU, peak memory of each, the KD overhead over LM-only, and
    kdexp.plan's predicted peak beside torch.cuda.max_memory_allocated.
+
+Every part runs with model.attention=--attention (default sdpa: torch's fused attention kernels; megatron: the
+unfused DotProductAttention, for comparison). Sequence parallelism needs TP >= 2 (megatron and kdexp's config refuse
+it at TP 1), so this one-GPU check cannot turn it on; what it changed that runs at TP 1 runs here in every model
+(kdexp's RMSNorm in place of megatron's local norm; the TP gradient rule of norm weights, a no-op at TP 1).
 
 The last stdout line is one JSON object ({"ok": ..., "device": ..., "loss": [...], "distill": [...], "scale": {...}});
 progress goes to stderr. Exit status 0 when every check passed, 1 when one failed, and 1 with a one-line message when
@@ -55,9 +61,10 @@ def _saved_devices(run_dir: Path) -> set[str]:
     return {t.device.type for t in model.values() if isinstance(t, torch.Tensor)}
 
 
-def distill(work: Path, dtype: str, steps: int, cache: Path | None = None) -> dict:
+def distill(work: Path, dtype: str, steps: int, cache: Path | None = None, attention: str = "sdpa") -> dict:
     run_dir = work / f"run_{dtype}"
     cmd = [sys.executable, "-m", "kdexp.run", "experiment=smoke", "logger=none", f"model.params_dtype={dtype}",
+           f"model.attention={attention}",
            f"trainer.max_steps={steps}", f"trainer.warmup_steps={min(2, steps)}", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "KDEXP_CACHE": str(cache or work / "cache")}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
@@ -116,9 +123,9 @@ def scale(args) -> dict:
     """Part 3 in a child process (a clean CUDA context, its own process group), its JSON line back."""
     cmd = [sys.executable, "-c", "import json, sys; from kdexp.bench import gpu_scale; "
            "print(json.dumps(gpu_scale.run(*sys.argv[1:3], steps=int(sys.argv[3]), lm_steps=int(sys.argv[4]), "
-           "seq=int(sys.argv[5]), micro=int(sys.argv[6]), recompute=sys.argv[7])))",
+           "seq=int(sys.argv[5]), micro=int(sys.argv[6]), recompute=sys.argv[7], extra=tuple(sys.argv[8:]))))",
            args.teacher, args.student, str(args.scale_steps), str(args.lm_steps), str(args.seq), str(args.micro),
-           args.recompute]
+           args.recompute, f"model.attention={args.attention}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
@@ -142,6 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
     ap.add_argument("--teacher", default="1.7b")
     ap.add_argument("--student", default="0.6b")
+    ap.add_argument("--attention", default="sdpa", choices=("sdpa", "megatron"), help="model.attention of every part")
     args = ap.parse_args(argv)
     if min(args.steps, args.tokens, args.vocab, args.repeats, args.seq, args.micro, args.lm_steps) < 1 or \
             args.scale_steps < 0:
@@ -151,7 +159,8 @@ def main(argv=None) -> int:
     if reason is not None:
         print(f"kdexp.bench.gpu: {reason}", file=sys.stderr)
         return 1
-    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda}
+    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+              "attention": args.attention}
     _say(f"loss benchmark, {args.tokens} tokens x vocab {args.vocab} ...")
     result["loss"] = loss_bench(args.tokens, args.vocab, args.repeats)
     torch.cuda.empty_cache()
@@ -161,7 +170,7 @@ def main(argv=None) -> int:
         result["distill"] = []
         for dtype in ("float32", "bfloat16"):
             _say(f"distill {args.steps} steps, params {dtype} ...")
-            result["distill"].append(distill(work, dtype, args.steps))
+            result["distill"].append(distill(work, dtype, args.steps, attention=args.attention))
             _say(f"distill {dtype}: {json.dumps(result['distill'][-1])}")
     result["scale"] = None
     if args.scale_steps:

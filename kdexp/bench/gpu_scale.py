@@ -53,7 +53,7 @@ def _random_teacher(cfg, data):
 
     name = cfg.model.teacher
     spec = models.get_spec(name, vocab_size=data.vocab_size) if name.startswith("tiny") else models.QWEN3_SIZES[name]
-    return freeze(models.build(spec, params_dtype=models.DTYPES[cfg.model.params_dtype]))
+    return freeze(models.build(spec, params_dtype=models.DTYPES[cfg.model.params_dtype], attention=cfg.model.attention))
 
 
 def _peak_tflops(cfg, device) -> float:

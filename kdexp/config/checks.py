@@ -63,11 +63,6 @@ def _check_scale(cfg: Any) -> None:
         fail("parallel.sequence", True, "needs parallel.tensor > 1 (sequence parallelism shards over the TP group)")
     if cfg.parallel.sequence and t.seq_length % tp:
         fail("parallel.sequence", True, f"needs trainer.seq_length={t.seq_length} divisible by parallel.tensor={tp}")
-    if cfg.parallel.sequence:
-        # megatron's local layer spec (the one kdexp builds: no Transformer Engine) has torch RMSNorm, which
-        # megatron refuses under sequence parallelism (its norm weights' TP gradient reduction lives in TE's norms)
-        fail("parallel.sequence", True, "is not supported yet: kdexp builds megatron's local layer spec, whose torch "
-             "RMSNorm megatron-core 0.16 refuses with sequence_parallel (it needs Transformer Engine's norms)")
 
 
 def _check_trainer(t: Any, max_positions: int) -> None:

@@ -27,6 +27,9 @@ class ModelConfig:
     # tokenizer's ids (Qwen2.5's 152,064 vs Qwen3's 151,936): aligned on the real ids, padded rows -inf in both
     # softmaxes (kdexp.models.vocab)
     vocab_alignment: str = "exact"
+    # core attention of teacher and student: sdpa (torch's fused scaled_dot_product_attention: flash / memory-efficient
+    # kernels, no [s, s] score tensor) | megatron (megatron-core's unfused DotProductAttention)
+    attention: str = "sdpa"
     # Embedded default only (no teacher_path): `shipped` loads the teacher trained once by this project's recipe and
     # shipped with the package with its tokenizer (kdexp/assets/teacher); `pretrain` pretrains one here with the
     # recipe below, once per cache (kdexp.train.teacher).

@@ -13,6 +13,7 @@ from kdexp.rules import choice, fail, integer, is_int, number
 
 _DTYPES = ("float32", "bfloat16")
 EMBEDDED_TEACHERS = ("shipped", "pretrain")
+ATTENTION = ("sdpa", "megatron")  # kdexp.models.build.ATTENTION (no torch import here)
 
 
 def _model_shape(name: str, key: str):
@@ -95,6 +96,7 @@ def check_model(cfg: Any) -> None:
     _model_shape(m.teacher, "model.teacher")
     _model_shape(m.student, "model.student")
     choice("model.params_dtype", m.params_dtype, _DTYPES)
+    choice("model.attention", m.attention, ATTENTION)
     choice("model.embedded_teacher", m.embedded_teacher, EMBEDDED_TEACHERS)
     if m.teacher_path is None and not str(m.teacher).startswith("tiny"):
         fail("model.teacher_path", None,

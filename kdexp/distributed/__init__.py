@@ -42,7 +42,7 @@ cpu = _OnFirstUse("kdexp.distributed.cpu")
 hostmem = _OnFirstUse("kdexp.distributed.hostmem")
 
 __all__ = ["DistState", "initialize", "state", "tp_group", "dp_group", "is_rank0", "destroy", "is_initialized", "reseed",
-           "barrier", "rank0_decides"]
+           "barrier", "rank0_decides", "sum_grads_over_tp"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,6 +184,29 @@ def dp_group():
 
     state()
     return ps.get_data_parallel_group()
+
+
+def sum_grads_over_tp(params) -> None:
+    """Sum over the TP group, in one flat all_reduce, the gradients of the parameters tagged ``tp_summed_grad``
+    (kdexp.models.norms.mark_tp_summed: q/k norms, and every norm under sequence parallelism): megatron's
+    finalize_model_grads rule (_allreduce_non_tensor_model_parallel_grads). Reads ``main_grad`` where megatron's DDP
+    keeps it, else ``grad``. Call it once per step, after the backward of the last micro-batch, before clipping."""
+    st = state()
+    if st.tp_size == 1:
+        return
+    grads = []
+    for p in params:
+        if getattr(p, "tp_summed_grad", False):
+            g = getattr(p, "main_grad", None)
+            g = p.grad if g is None else g
+            if g is not None:
+                grads.append(g)
+    if not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=tp_group())
+    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
 
 
 def is_rank0() -> bool:

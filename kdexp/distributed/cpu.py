@@ -22,6 +22,11 @@ runs forward and backward on CPU over gloo once exactly three assumptions are an
    state next to the CPU one (tensor_parallel/random._get_all_rng_states / _set_all_rng_states). Without CUDA there
    is no CUDA generator: the CPU state and the tracker's states (ours, on the CPU generator) are all there is, so the
    CUDA part becomes an empty placeholder and its restore a no-op.
+5. Reduce-scatter (sequence parallelism: the embedding's and each RowParallelLinear's output, the ColumnParallel
+   linears' input gradient): megatron calls ``torch.distributed.reduce_scatter_tensor``, which gloo implements only
+   in recent torch (2.13 has it; older gloo builds raise). :func:`_gloo_reduce_scatter_tensor` calls it and, where
+   gloo refuses, answers with an all_reduce of the whole tensor and this rank's slice of the sum (the same values,
+   t times the traffic: a CPU test path, not a fast one).
 Nothing here touches torch or megatron when ``torch.cuda.is_available()`` is True. :func:`apply` is idempotent.
 """
 
@@ -59,6 +64,37 @@ def _no_cuda_rng_state(*args, **kwargs) -> torch.Tensor:
 
 def _no_cuda_rng_restore(*args, **kwargs) -> None:
     return None
+
+
+class _Done:
+    """The handle of an already finished collective (async_op=True callers wait on it)."""
+
+    def wait(self, *args, **kwargs) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+_NATIVE_REDUCE_SCATTER = [True]  # False once gloo refused reduce_scatter_tensor (then every call takes the fallback)
+
+
+def _gloo_reduce_scatter_tensor(output, input, op=None, group=None, async_op=False):
+    import torch.distributed as dist
+
+    op = dist.ReduceOp.SUM if op is None else op
+    if _NATIVE_REDUCE_SCATTER[0]:
+        try:
+            return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+        except (RuntimeError, NotImplementedError, ValueError):
+            # raised before any traffic, on every rank alike (the same torch build): all ranks fall back together
+            _NATIVE_REDUCE_SCATTER[0] = False
+    if op != dist.ReduceOp.SUM:
+        raise ValueError(f"the gloo reduce-scatter answer sums only, asked for {op}")
+    total = input.contiguous().clone()
+    dist.all_reduce(total, group=group)
+    output.copy_(total.chunk(dist.get_world_size(group))[dist.get_rank(group)].view_as(output))
+    return _Done() if async_op else None
 
 
 def _make_tracker_class():
@@ -126,6 +162,12 @@ def apply() -> bool:
 
     mp_random._get_cuda_rng_state = _no_cuda_rng_state
     mp_random._set_cuda_rng_state = _no_cuda_rng_restore
+
+    from megatron.core.tensor_parallel import layers as mp_layers
+    from megatron.core.tensor_parallel import mappings as mp_mappings
+
+    # both modules bound torch's function by name at import
+    mp_mappings.dist_reduce_scatter_func = mp_layers.dist_reduce_scatter_func = _gloo_reduce_scatter_tensor
 
     _install_tracker()
     _APPLIED = True

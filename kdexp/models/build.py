@@ -3,7 +3,9 @@
 The local spec (no Transformer Engine / apex) gives torch.nn.RMSNorm for the layer norms and for Qwen3's per-head
 q/k norms, ColumnParallelLinear for the fused QKV and the fused gate|up projection, RowParallelLinear for the
 output and down projections and DotProductAttention with GQA. That is exactly Qwen3 (checked against transformers'
-Qwen3ForCausalLM in tests/test_models.py).
+Qwen3ForCausalLM in tests/test_models.py). ``attention="sdpa"`` (model.attention, the default) swaps the core
+attention for kdexp.models.attention.SDPAttention (torch's fused SDPA kernels, no [s, s] score tensor); "megatron"
+keeps DotProductAttention.
 """
 
 from __future__ import annotations
@@ -95,25 +97,52 @@ def transformer_config(spec: Qwen3Spec, *, params_dtype=torch.float32, tp: int =
     )
 
 
+ATTENTION = ("sdpa", "megatron")  # model.attention
+
+
+def layer_spec(attention: str = "sdpa"):
+    """megatron's local GPT layer spec with Qwen3's q/k RMSNorm, its core attention per `attention`, every norm
+    kdexp.models.norms.RMSNorm (torch's RMSNorm that megatron accepts under sequence parallelism)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from kdexp.models.norms import RMSNorm
+
+    if attention not in ATTENTION:
+        raise ValueError(f"model.attention={attention!r} is invalid: must be one of {', '.join(ATTENTION)}")
+    spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = RMSNorm
+    attn = spec.submodules.self_attention.submodules
+    attn.q_layernorm = attn.k_layernorm = RMSNorm
+    if attention == "sdpa":
+        from kdexp.models.attention import SDPAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
 def build(spec: Qwen3Spec, *, params_dtype=torch.float32, init: bool = True, recompute: str = "none",
-          sequence_parallel: bool = False):
+          sequence_parallel: bool = False, attention: str = "sdpa"):
     """A megatron GPTModel with Qwen3's architecture, sharded for the current tensor-parallel size.
 
     kdexp.distributed.initialize() must have been called. `init=False` leaves weights unset (load_hf fills them).
     The spec is kept on the model as `model.kdexp_spec`. `recompute` (none | selective | full) and
-    `sequence_parallel` go to megatron's TransformerConfig (see RECOMPUTE).
+    `sequence_parallel` go to megatron's TransformerConfig (see RECOMPUTE); `attention` (model.attention) picks the
+    core attention (see layer_spec).
     """
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from kdexp.models.norms import RMSNorm, mark_tp_summed
 
     tp = _tp_size()
     check_tp(spec, tp)
     config = transformer_config(spec, params_dtype=params_dtype, tp=tp, init=init, recompute=recompute,
                                 sequence_parallel=sequence_parallel)
-    layer_spec = get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec,
+        # the block spec names the final norm too (from a layer spec megatron would pick WrappedTorchNorm)
+        transformer_layer_spec=TransformerBlockSubmodules(layer_specs=[layer_spec(attention)] * spec.num_layers,
+                                                          layer_norm=RMSNorm),
         vocab_size=spec.vocab_size,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=True,
@@ -125,6 +154,7 @@ def build(spec: Qwen3Spec, *, params_dtype=torch.float32, init: bool = True, rec
     )
     if not init:
         _mark_tp_attributes(model)
+    mark_tp_summed(model, tp, sequence_parallel)
     if params_dtype != torch.float32:
         # Why: megatron leaves the torch RMSNorm weights in fp32; its training wraps the model in Float16Module,
         # which casts every parameter. The same here, so a bf16 build, a cast teacher and the megatron path agree.
@@ -132,6 +162,7 @@ def build(spec: Qwen3Spec, *, params_dtype=torch.float32, init: bool = True, rec
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     model.kdexp_spec = spec
+    model.kdexp_attention = attention
     return model
 
 
@@ -189,11 +220,13 @@ def _positions(input_ids: torch.Tensor) -> torch.Tensor:
 def vocab_parallel_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     """Logits [b, s, V/tp]: this TP rank's contiguous vocabulary shard (rank r holds [r*V/tp, (r+1)*V/tp)).
 
-    Causal attention over the whole row (no document masking), positions 0..s-1.
+    Causal attention over the whole row (no document masking), positions 0..s-1. The unfused attention reads an
+    explicit [s, s] mask; SDPA's causal kernel needs none (no s^2 bytes anywhere).
     """
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
-    mask = _causal_mask(input_ids.shape[1], input_ids.device)
+    sdpa = getattr(_unwrap(model), "kdexp_attention", "megatron") == "sdpa"
+    mask = None if sdpa else _causal_mask(input_ids.shape[1], input_ids.device)
     return model(input_ids, _positions(input_ids), mask)
 
 
@@ -208,15 +241,26 @@ def forward_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     return gather_from_tensor_model_parallel_region(logits.contiguous())
 
 
-def _decoder_layers(model):
+def _unwrap(model):
     while hasattr(model, "module") and not hasattr(model, "decoder"):
         model = model.module  # DDP / Float16Module wrappers
-    return model.decoder.layers
+    return model
 
 
-def _keep_hidden(store: dict, index: int, module, args, output) -> None:
-    # A megatron TransformerLayer returns (hidden_states, context); hidden_states is [s, b, h].
-    store[index] = output[0] if isinstance(output, tuple) else output
+def _decoder_layers(model):
+    return _unwrap(model).decoder.layers
+
+
+def _keep_hidden(store: dict, index: int, gather: bool, module, args, output) -> None:
+    # A megatron TransformerLayer returns (hidden_states, context); hidden_states is [s, b, h] ([s/t, b, h] under
+    # sequence parallelism: gathered here, its backward handing each rank the gradient of its own slice).
+    hidden = output[0] if isinstance(output, tuple) else output
+    if gather:
+        from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+        # the loss on the gathered states is the same on every TP rank (replicated), so the backward only splits
+        hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+    store[index] = hidden
 
 
 @contextlib.contextmanager
@@ -224,8 +268,9 @@ def capture_hidden(model, layers):
     """Within the block, forwards of `model` record the output of each decoder layer in `layers` (0-based; the
     layer's output before the final norm, megatron's [s, b, h] layout) in the dict this yields: {index: tensor}.
 
-    The hidden states are replicated over the tensor-parallel ranks (each layer ends in a RowParallelLinear
-    all-reduce) as long as sequence parallelism is off, which kdexp's models never turn on (checked here).
+    The hidden states are whole and replicated over the tensor-parallel ranks: each layer ends in a RowParallelLinear
+    all-reduce, and under sequence parallelism (its reduce-scatter leaves [s/t, b, h] per rank) they are all-gathered
+    here, differentiably.
     """
     store: dict = {}
     layers = sorted(set(layers))
@@ -233,9 +278,8 @@ def capture_hidden(model, layers):
         yield store
         return
     decoder = _decoder_layers(model)
-    if getattr(decoder[0].config, "sequence_parallel", False):
-        raise ValueError("hidden-state losses need full (replicated) hidden states: sequence parallelism shards them")
-    handles = [decoder[i].register_forward_hook(functools.partial(_keep_hidden, store, i)) for i in layers]
+    gather = bool(getattr(decoder[0].config, "sequence_parallel", False))
+    handles = [decoder[i].register_forward_hook(functools.partial(_keep_hidden, store, i, gather)) for i in layers]
     try:
         yield store
     finally:

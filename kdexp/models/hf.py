@@ -146,7 +146,7 @@ def load_hf(path, *, params_dtype=torch.float32, vocab_size: Optional[int] = Non
 
     `vocab_size`: build it with that many vocabulary rows instead of the checkpoint's (its own rows first, then
     zeros; kdexp.models.vocab); `real_vocab`: the tokenizer's ids, logits beyond them -inf (mask_padded_vocab).
-    `build_kwargs` (recompute, sequence_parallel) go to kdexp.models.build."""
+    `build_kwargs` (recompute, sequence_parallel, attention) go to kdexp.models.build."""
     from megatron.core import parallel_state as ps
 
     from kdexp.models.vocab import mask_padded_vocab

@@ -55,6 +55,7 @@ class Plan:
     mfu: float = DEFAULT_MFU
     peak_tflops: float = 989.0
     gpu_memory_gb: Optional[float] = None
+    attention: str = "sdpa"  # model.attention
 
     @property
     def needs(self) -> float:
@@ -141,6 +142,7 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     check_tp(teacher, tp)
     check_tp(student, tp)
     recompute = getattr(t, "recompute", "none")
+    attention = getattr(cfg.model, "attention", "sdpa")
     sp = bool(getattr(par, "sequence", False)) and tp > 1
     name, e, grad_b, opt_b = _precision(cfg)
     distopt = bool(t.distributed_optimizer)  # megatron's ZeRO-1: optimizer state split over DP
@@ -151,7 +153,7 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     p = Plan(teacher=cfg.model.teacher, student=cfg.model.student, gpus=gpus, tp=tp, dp=dp, precision=name,
              micro_batch=micro, seq=seq, global_batch=gb, accumulation=gb // (micro * dp), recompute=recompute,
              sequence_parallel=sp, distributed_optimizer=distopt, mfu=mfu, peak_tflops=float(t.gpu_peak_tflops),
-             gpu_memory_gb=t.gpu_memory_gb)
+             gpu_memory_gb=t.gpu_memory_gb, attention=attention)
 
     n_t, n_s = sizing.params_per_rank(teacher, tp), sizing.params_per_rank(student, tp)
     opt_share = dp if distopt else 1
@@ -164,13 +166,16 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
          ("fp32 master + Adam m, v" if opt_b == 12 else f"Adam m, v ({'fp32' if opt_b == 8 else 'bf16'})")
          + (f", split over DP={dp}" if distopt else ", not split (no distributed optimizer)")),
     ]
-    layer = sizing.layer_bytes(student, tokens, seq, e, sizing.Parallel(tp, sp), recompute)
+    layer = sizing.layer_bytes(student, tokens, seq, e, sizing.Parallel(tp, sp), recompute, attention)
     acts = student.num_layers * layer["kept"] + sizing.outside_layers_bytes(student, tokens, seq, e,
-                                                                              sizing.Parallel(tp, sp))
+                                                                              sizing.Parallel(tp, sp), attention)
     p.items.append(("activations", acts, f"{student.num_layers} layers x {layer['kept'] / 2**20:,.1f} MiB, "
-                    f"recompute {recompute}{', seq. parallel' if sp else ''} (Korthikanti et al. 2022)"))
-    p.items.append(("attention score buffer", sizing.attention_buffer_bytes((teacher, student), micro, seq, e, tp),
-                    "megatron's global buffer [b x heads/TP, s, s], kept"))
+                    f"recompute {recompute}{', seq. parallel' if sp else ''}, {attention} attention "
+                    "(Korthikanti et al. 2022)"))
+    if attention == "megatron":
+        p.items.append(("attention score buffer", sizing.attention_buffer_bytes((teacher, student), micro, seq, e, tp,
+                                                                                attention),
+                        "megatron's global buffer [b x heads/TP, s, s], kept"))
     if layer["working"]:
         p.items.append(("recompute working set", layer["working"], "one layer rebuilt during its backward"))
     vocab = student.vocab_size // tp
@@ -195,10 +200,12 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
              "LM loss fp32 softmax": f"{shape} fp32", "KD loss saved values": f"top_k={top_k} top_p={top_p}",
              "logit gradients": "KD" + (" + LM" if needs_lm else " (LM fused)" if fused else ""), "KD loss chunk buffer": "fp32, one chunk of tokens"}
     p.items += [(k, v, notes[k]) for k, v in logits.items() if v]
-    # The teacher's no-grad forward runs before the student's: its one-layer transient (scores, softmax and copy,
-    # or the MLP's fc1 output and products) counts only if larger than the student's logit and activation parts.
+    # The teacher's no-grad forward runs before the student's: its one-layer transient (megatron's attention: scores,
+    # softmax and copy; sdpa's kernels hold no [s, s] tensor; the MLP's fc1 output and products) counts only if larger
+    # than the student's logit and activation parts.
     a_t = teacher.num_heads // tp
-    teacher_layer = tokens * max((4 + 4 + (2 if e == 2 else 0)) * a_t * seq, 5 * e * teacher.intermediate_size / tp)
+    scores_t = (4 + 4 + (2 if e == 2 else 0)) * a_t * seq if attention == "megatron" else 0
+    teacher_layer = tokens * max(scores_t, 5 * e * teacher.intermediate_size / tp)
     static = ("teacher weights", "student weights", "student gradients", "optimizer state", "attention score buffer")
     student_phase = sum(v for k, v, _ in p.items if k not in static)
     teacher_phase = 0 if layout is not None else logits["teacher logits"] + teacher_layer

@@ -9,13 +9,15 @@ linears' inputs stay whole (10sbh) and the rest is divided by t; sequence parall
 recompute drops the attention core (the s^2 terms); full recompute keeps only each layer's input. Here the same
 bookkeeping is done for the layer kdexp actually builds (megatron's local spec, kdexp.models.build): torch's
 RMSNorm (which keeps an fp32 copy of its input and its normalised output, also for bf16 inputs), per-head q/k
-norms, GQA key/values repeated to all heads before the unfused DotProductAttention (whose softmax runs in fp32 and
-is kept, plus its 16-bit copy for the bmm), SwiGLU, no dropout (p=0 keeps nothing) and no biases. Each term is
-checked against the saved tensors of a built tiny megatron model (tests/test_plan.py).
+norms, the core attention (model.attention: sdpa keeps q, k and v unrepeated and one fp32 log-sum-exp per query and
+head, its output being linear_proj's input; megatron's unfused DotProductAttention repeats the GQA key/values to all
+heads and keeps its fp32 softmax, plus its 16-bit copy for the bmm), SwiGLU, no dropout (p=0 keeps nothing) and no
+biases. Each term is checked against the saved tensors of a built tiny megatron model (tests/test_plan.py).
 
 FLOPs count a multiply-add as 2 (the convention of MFU, Chowdhery et al. 2022 "PaLM", appendix B): a matmul over
 N parameters costs 2N per token forward, 6N forward + backward; attention costs 4*s*a*d forward per layer (Q K^T
-and P V over the whole s x s score matrix, which the unfused attention computes in full).
+and P V over the whole s x s score matrix, which the unfused attention computes in full; the causal flash kernels
+skip the masked half, so these are model FLOPs, not what the hardware does).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from kdexp.models.spec import Qwen3Spec
 
 RECOMPUTE = ("none", "selective", "full")
+ATTENTION = ("sdpa", "megatron")
 
 
 @dataclass(frozen=True)
@@ -54,12 +57,14 @@ def _norm(width: float) -> float:
 
 
 def layer_bytes(spec: Qwen3Spec, tokens: int, seq: int, act_bytes: int, par: Parallel,
-                recompute: str = "none") -> dict[str, float]:
+                recompute: str = "none", attention: str = "sdpa") -> dict[str, float]:
     """Bytes one transformer layer keeps for backward, for `tokens` tokens (micro-batch x seq) per TP rank:
     {"kept": ..., "working": ...}; "working" is what a recompute re-creates for one layer during its backward (the
     transient on top of "kept" of all layers)."""
     if recompute not in RECOMPUTE:
         raise ValueError(f"trainer.recompute={recompute!r} is invalid: must be one of {', '.join(RECOMPUTE)}")
+    if attention not in ATTENTION:
+        raise ValueError(f"model.attention={attention!r} is invalid: must be one of {', '.join(ATTENTION)}")
     e, t = act_bytes, par.tp
     h, f, d = spec.hidden_size, spec.intermediate_size / t, spec.head_dim
     a, g = spec.num_heads / t, spec.num_kv_heads / t
@@ -70,37 +75,47 @@ def layer_bytes(spec: Qwen3Spec, tokens: int, seq: int, act_bytes: int, par: Par
     # Per head (split over TP): q-norm input copy + normalised + rstd; k-norm likewise in bf16, but an fp32 k is a
     # view of the fused qkv output and keeps all of it alive.
     qk_norm = 8 * a * d + 4 * a + (8 * g * d + 4 * g if e != 4 else 4 * (a + 2 * g) * d + 4 * g * d + 4 * g)
-    scores = (4 + (2 if e != 4 else 0)) * a * seq  # fp32 softmax output (+ its 16-bit copy the bmm keeps)
-    core = 3 * e * a * d + scores  # q, and k and v repeated to all heads, as the two bmms keep them
+    # The core attention's inputs as a recompute checkpoint (or SDPA) keeps them: q and k after RoPE, and v, a view of
+    # the fused qkv output (in bf16 nothing else keeps that alive; in fp32 the k-norm already does).
+    inputs = e * a * d + e * g * d + (e * (a + 2 * g) * d if e != 4 else 0)
+    if attention == "sdpa":
+        # the fused kernel keeps its inputs, its output (laid out like the query: linear_proj's input, counted in
+        # `rest`) and an fp32 log-sum-exp per query row and head; no score tensor
+        core = inputs + 4 * a
+    else:
+        scores = (4 + (2 if e != 4 else 0)) * a * seq  # fp32 softmax output (+ its 16-bit copy the bmm keeps)
+        core = 3 * e * a * d + scores  # q, and k and v repeated to all heads, as the two bmms keep them
     rest = qk_norm + e * a * d + 5 * e * f  # linear_proj input; SwiGLU: fc1 output, silu(x), x_linear + 0, fc2 input
     rope = 4 * seq * d * e  # cos/sin of q and k, per layer, independent of the micro-batch
     full = tokens * (split + core + rest) + rope
     if recompute == "none":
         return {"kept": full, "working": 0.0}
     if recompute == "selective":
-        # megatron's "core_attn" checkpoint keeps its inputs: q and k after RoPE, and v, a view of the fused qkv
-        # output (in bf16 nothing else keeps that alive; in fp32 the k-norm already does).
-        inputs = e * a * d + e * g * d + (e * (a + 2 * g) * d if e != 4 else 0)
+        # megatron's "core_attn" checkpoint keeps the core's inputs; with sdpa that drops only the log-sum-exp
         return {"kept": tokens * (split + inputs + rest) + rope, "working": tokens * core}
     # full: each layer's input [s, b, h] (its [s/t] slice with sequence parallelism); one layer is rebuilt at a time
     return {"kept": tokens * e * h / (t if par.sequence else 1), "working": full}
 
 
-def outside_layers_bytes(spec: Qwen3Spec, tokens: int, seq: int, act_bytes: int, par: Parallel) -> float:
+def outside_layers_bytes(spec: Qwen3Spec, tokens: int, seq: int, act_bytes: int, par: Parallel,
+                         attention: str = "sdpa") -> float:
     """Kept outside the layers: the final norm, the logit layer's input, the token ids (and under TP the embedding's
-    masked ids and mask), and the causal mask [s, s] (bool, cached once)."""
+    masked ids and mask), and for megatron's attention the causal mask [s, s] (bool, cached once; SDPA's causal
+    kernel takes none)."""
     h = spec.hidden_size
     per_token = _norm(h) + act_bytes * h
     if par.sequence:
         per_token /= par.tp
     ids = 8 + (9 if par.tp > 1 else 0)
-    return tokens * (per_token + ids) + seq * seq
+    return tokens * (per_token + ids) + (seq * seq if attention == "megatron" else 0)
 
 
-def attention_buffer_bytes(specs, micro: int, seq: int, act_bytes: int, tp: int) -> float:
+def attention_buffer_bytes(specs, micro: int, seq: int, act_bytes: int, tp: int, attention: str = "sdpa") -> float:
     """megatron's DotProductAttention takes its [b * heads/t, s, s] score buffer from the global memory buffer
     (parallel_state.get_global_memory_buffer), allocated once at the largest size asked and kept: shared by the
-    teacher and the student (same dtype), not a saved tensor, so separate from the layers' activations."""
+    teacher and the student (same dtype), not a saved tensor, so separate from the layers' activations. SDPA has none."""
+    if attention == "sdpa":
+        return 0.0
     return micro * max(s.num_heads for s in specs) / tp * seq * seq * act_bytes
 
 

@@ -47,7 +47,8 @@ def student_dtype(cfg) -> torch.dtype:
 
 def build_student(cfg, vocab_size: int) -> torch.nn.Module:
     dtype = student_dtype(cfg)
-    memory = {"recompute": cfg.trainer.recompute, "sequence_parallel": cfg.parallel.sequence}
+    memory = {"recompute": cfg.trainer.recompute, "sequence_parallel": cfg.parallel.sequence,
+              "attention": cfg.model.attention}
     real = models.vocab_alignment(cfg).get("real_vocab")  # model.vocab_alignment=tokenizer: padded ids -inf
     if cfg.model.student_path is not None:
         return models.load_hf(cfg.model.student_path, params_dtype=dtype, real_vocab=real, **memory)

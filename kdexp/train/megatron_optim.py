@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from kdexp import distributed
 from kdexp.train.optim import BETAS, EPS
 
 
@@ -101,6 +102,7 @@ class MegatronOptimizer:
     def reduce_and_clip(self) -> torch.Tensor:
         """Finish the DP reduction, copy grads to the fp32 main params and clip them: the norm before clipping."""
         self.ddp.finish_grad_sync()
+        distributed.sum_grads_over_tp(self.ddp.parameters())  # finalize_model_grads' TP step (norm weights)
         found_inf = self.inner.prepare_grads()
         if found_inf:
             return torch.tensor(float("inf"))

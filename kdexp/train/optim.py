@@ -18,7 +18,8 @@ from kdexp import distributed
 
 
 BETAS, EPS = (0.9, 0.95), 1e-8
-_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride")
+# clipping counts TP shards by the first three; sum_grads_over_tp reads the last (q/k and sequence-parallel norms)
+_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "tp_summed_grad")
 
 
 def decays(name: str, p: torch.Tensor) -> bool:
@@ -120,8 +121,10 @@ def _params(model_or_params) -> list[torch.Tensor]:
 
 
 def average_gradients(model_or_params) -> None:
-    """Average gradients over the data-parallel group, in one flat bucket (one all_reduce per step)."""
+    """Average gradients over the data-parallel group, in one flat bucket (one all_reduce per step); first the TP sum
+    of the norm weights' partial gradients (kdexp.distributed.sum_grads_over_tp)."""
     st = distributed.state()
+    distributed.sum_grads_over_tp(_params(model_or_params))
     if st.dp_size == 1:
         return
     grads = [p.grad for p in _params(model_or_params) if p.grad is not None]

@@ -111,7 +111,8 @@ def get_teacher(cfg, data) -> torch.nn.Module:
         check_shipped()
     checkpoint = assets.teacher_checkpoint(cfg.model)
     if checkpoint is not None:  # model.vocab_alignment=tokenizer: the student's rows, padded ids -inf (models.vocab)
-        return freeze(models.load_hf(checkpoint, params_dtype=dtype, **models.vocab_alignment(cfg, data)))
+        return freeze(models.load_hf(checkpoint, params_dtype=dtype, attention=cfg.model.attention,
+                                      **models.vocab_alignment(cfg, data)))
     path = pretrained_teacher_dir(cfg, data)
     writer = distributed.is_rank0()
     # Global rank 0 holds the cache lock around check-train-save, so parallel jobs on a cold cache pretrain once;
@@ -124,11 +125,11 @@ def get_teacher(cfg, data) -> torch.nn.Module:
             # Its init from the seed alone: a rebuild (cold cache, corrupt copy) gives the same weights whatever ran first.
             distributed.reseed(cfg.trainer.seed)
             spec = models.get_spec(cfg.model.teacher, vocab_size=data.vocab_size)
-            model = models.build(spec, params_dtype=dtype)
+            model = models.build(spec, params_dtype=dtype, attention=cfg.model.attention)
             pretrain(model, data, cfg)
             models.save_hf(model, path, spec)  # collective; rank 0 writes atomically
             del model
             if writer:  # last: until the manifest exists the directory counts as unfinished and is rebuilt
                 data_cache.write_manifest(path)
     distributed.barrier()
-    return freeze(models.load_hf(path, params_dtype=dtype))
+    return freeze(models.load_hf(path, params_dtype=dtype, attention=cfg.model.attention))
