@@ -17,6 +17,10 @@ Tolerances (max abs error over the tensor, `scale` = the reference tensor's max 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -304,3 +308,13 @@ def test_tp2_matches_tp1_over_gloo():
     res = run_on_processes(_tp_worker, 2, args=(cases,), timeout=240)
     assert res == [[c[0] for c in cases]] * 2
 
+
+
+def test_bench_runs_tiny():
+    out = subprocess.run([sys.executable, "-m", "kdexp.bench.head", "--tokens", "64", "--hidden", "32",
+                          "--teacher-hidden", "48", "--vocab", "2048", "--top-k", "32", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=300, check=True)
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("peak_vs_fp32_logits", "time_ratio", "unfused_peak_vs_fp32_logits", "unfused_s", "fused_s"):
+        assert key in res, key
+    assert res["max_abs_loss_diff"] <= 1e-5

@@ -215,6 +215,7 @@ class _FusedHead(torch.autograd.Function):
                     gz = _chunk_grad(out, z, tw * w_kd, tw * w_lm if has_lm else None)
             if eager:
                 grads.add(r, gz, h, weight)
+                del gz  # before the next chunk's logits: one chunk's gradient alive at a time
             del z, out
         names = list(stat_sums)
         stats = torch.stack([stat_sums[k] for k in names]) if names else kd_sum.new_zeros(0)
@@ -249,7 +250,7 @@ class _FusedHead(torch.autograd.Function):
                 gz = _chunk_grad(out, z, None if g_kd is None else tw * g_kd.to(acc),
                                  None if g_lm is None or not ctx.has_lm else tw * g_lm.to(acc))
             grads.add(r, gz, h, weight)
-            del z, out
+            del z, out, gz
         gh, gw = grads.result()
         return gh, gw, None, None, None, None, None
 
