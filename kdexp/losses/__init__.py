@@ -22,6 +22,9 @@ call the same functions:
   `SampledKDOptions` (loss.samples, loss.proposal_temperature and their rules); `draw_teacher(...)` ->
   `TeacherDraws` (the draws with what weighs them at any temperature: the teacher cache's "sampled" record) and
   `weigh(draws, temperature=...)` -> `TokenSamples`, the two halves of `sample_teacher`.
+- The fused head: `fused_head_loss(hidden, weight, loss_fn, token_weight=..., coefficients=...)` -> `HeadResult(kd, lm,
+  stats)`, the output layer and any per-token loss above chunk by chunk (`loss_fn(z, rows)` -> `ChunkLoss`), never
+  the [tokens, vocab] logits; `teacher_head_logits` (an online teacher's chunk), `tp_copy` (the TP input region).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ _EXPORTS = {
     "scale_to_logits_loss": "intermediate", "IntermediatePair": "options", "check_intermediate": "options",
     "SampledKDOptions": "options", "sample_teacher": "sampled", "sampled_kd_loss": "sampled", "TokenSamples": "sampled",
     "importance_weights": "sampled", "draw_teacher": "sampled", "weigh": "sampled", "TeacherDraws": "sampled",
+    "fused_head_loss": "head", "ChunkLoss": "head", "HeadResult": "head", "teacher_head_logits": "head",
+    "tp_copy": "head",
 }
 __all__ = list(_EXPORTS)
 
