@@ -230,8 +230,6 @@ def test_the_plan_bounds_a_real_train_step_from_above(overrides):
     the peak of the tensor storages it creates (kdexp.bench.losses.PeakTensorMemory) against the plan's items that
     a step allocates (gradients, activations, logits, loss buffers). The plan adds them all at once, so it bounds the
     step from above; it must not be loose either."""
-    from unittest import mock
-
     from kdexp.bench import gpu_scale
     from kdexp.bench.losses import PeakTensorMemory
     from kdexp.data import batches
@@ -240,13 +238,12 @@ def test_the_plan_bounds_a_real_train_step_from_above(overrides):
 
     cfg = _cfg("logger=none", *overrides)
     with lone_process(seed=1) as st:
-        with mock.patch.object(loop, "get_teacher", gpu_scale._random_teacher):
-            s = loop.setup(cfg)
+        s = loop.setup(cfg, make_teacher=gpu_scale._random_teacher)
         stream = batches(s.data.train_ds, micro_batch_size=cfg.trainer.micro_batch_size, dp_rank=0, dp_size=1)
 
         def step():
             s.optimizer.zero_grad(set_to_none=True)
-            train_step(s.student, s.teacher, objectives.batch_to(next(stream), st.device), s.balancer, cfg,
+            train_step(s.student, s.objective, objectives.batch_to(next(stream), st.device), s.balancer, cfg,
                        s.balancer.needs_lm_loss)
 
         step()

@@ -205,6 +205,8 @@ def validate(cfg: Any) -> None:
                          "differ: logit distillation needs one shared vocabulary")
     check_tokenizer(cfg)
     kd = KDLossOptions.from_config(cfg.loss).check(teacher_vocab, prefix="loss.")  # the loss's own rules
+    if not isinstance(cfg.loss.fused_head, bool):
+        fail("loss.fused_head", cfg.loss.fused_head, "must be true or false")
     SampledKDOptions.from_config(cfg.loss).check(kd, prefix="loss.")
     _check_intermediate(cfg)
     BalancerOptions.from_config(cfg.balancer).check(prefix="balancer.")
