@@ -1,0 +1,208 @@
+"""Benchmark of the fused output head (kdexp.losses.head) against the unfused head + loss, in one process.
+
+    python -m kdexp.bench.head [--tokens 2048] [--hidden 1024] [--teacher-hidden 2048] [--vocab 151936]
+                               [--top-k 1024] [--alpha 0.5] [--chunk-tokens N] [--repeats 1] [--threads N]
+                               [--modes coeff,recompute]
+
+The default is Qwen3-0.6B's head (H 1024, V 151,936; the student's output weight is a leaf parameter, as Qwen3-0.6B's
+tied embedding is at the head) distilled from a 1.7B-sized online teacher head (H 2048), 2,048 tokens, fp32 on CPU:
+online Top-K 1024 + ghost token + the fused LM loss (labels with ~5% ignored ids), the alpha balancer
+total = (1 - alpha) lm + alpha kd. Both paths include the teacher's head: unfused = teacher logits and student logits
+[tokens, V] through kdexp.losses.logits_kd_loss, then token-weighted means and backward; fused = fused_head_loss, the
+teacher's logits formed per chunk by teacher_head_logits inside loss_fn. Modes: "coeff" passes the balancer's
+coefficients (gradients computed in forward), "recompute" does not (each chunk formed again in backward).
+Weights are random: teacher logits ~ N(0, (--teacher-scale)^2) (5: a peaked distribution, as kdexp.bench.losses),
+student logits ~ N(0, 4).
+
+Memory, "peak extra": a TorchDispatchMode records every tensor storage the ops create during one forward+backward
+and when it is freed (storage finalizer), as a timeline; the peak extra is the maximum over that timeline of the
+live bytes, NOT counting the storages that end up as the returned gradients (hidden.grad [tokens, H] and
+weight.grad [V, H], which any implementation must return) at any time. Inputs and parameters exist before the call
+and are not counted; the teacher's and student's logits, their gradients, the losses' buffers and, in the fused
+coeff mode, nothing else of size V are. What it cannot see: memory allocated inside one kernel without a tensor
+(BLAS packing buffers, small). Both paths are measured the same way, in the same process, on the same inputs.
+`peak_vs_fp32_logits` = fused (coeff) peak extra / bytes of one fp32 [tokens, V] tensor.
+Time: wall-clock fwd+bwd outside the dispatch mode, the median of --repeats runs after the measured (warm-up) run;
+on a shared CPU the numbers are noisy: compare ratios from one process.
+
+The last stdout line is one JSON object: peak_vs_fp32_logits, time_ratio (fused coeff / unfused),
+recompute_peak_vs_fp32_logits, recompute_time_ratio, the unfused numbers and the agreement of the two paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from kdexp.losses import logits_kd_loss
+from kdexp.losses.head import ChunkLoss, fused_head_loss, head_chunk_rows, teacher_head_logits
+
+
+class StorageTimeline(TorchDispatchMode):
+    """Allocation (+bytes) and free (-bytes) events of the tensor storages ops create while the mode is active."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[tuple[int, int]] = []  # (serial, signed bytes)
+        self.live: dict[int, tuple[int, int]] = {}  # data_ptr -> (serial, bytes)
+        self.serial = 0
+
+    def _freed(self, ptr: int, serial: int):
+        cur = self.live.get(ptr)
+        if cur is not None and cur[0] == serial:
+            del self.live[ptr]
+            self.events.append((serial, -cur[1]))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.layout == torch.strided}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+                continue
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+            if ptr in inputs or ptr in self.live or st.nbytes() == 0:
+                continue  # in place, a view, or out=: no new storage
+            self.serial += 1
+            self.live[ptr] = (self.serial, st.nbytes())
+            self.events.append((self.serial, st.nbytes()))
+            weakref.finalize(st, self._freed, ptr, self.serial)
+        return out
+
+    def peak(self, exclude: list[torch.Tensor]) -> int:
+        """Peak live bytes over the timeline, leaving out the storages of `exclude` (still alive) at every time."""
+        skip = {self.live[t.untyped_storage().data_ptr()][0] for t in exclude
+                if t is not None and t.untyped_storage().data_ptr() in self.live}
+        cur = peak = 0
+        for serial, nbytes in self.events:
+            if serial not in skip:
+                cur += nbytes
+                peak = max(peak, cur)
+        return peak
+
+
+def _inputs(a):
+    g = torch.Generator().manual_seed(0)
+    n, h, ht, v = a.tokens, a.hidden, a.teacher_hidden, a.vocab
+    hidden = torch.randn(n, h, generator=g)
+    weight = torch.randn(v, h, generator=g).mul_(2.0 / h ** 0.5)
+    th = torch.randn(n, ht, generator=g)
+    wt = torch.randn(v, ht, generator=g).mul_(a.teacher_scale / ht ** 0.5)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[torch.rand(n, generator=g) < 0.05] = -100
+    token_weight = torch.full((n,), 1.0 / n)
+    return hidden, weight, th, wt, labels, token_weight
+
+
+def _loss_kwargs(a):
+    return dict(top_k=a.top_k, ghost_token=True, return_stats=True)
+
+
+def unfused(hidden, weight, th, wt, labels, tw, a):
+    with torch.no_grad():
+        t = th @ wt.T
+    (kd, lm), st = logits_kd_loss(hidden @ weight.T, t, labels=labels, **_loss_kwargs(a))
+    return (kd * tw).sum(), (lm * tw).sum(), (st.student_residual_mass * tw).sum()
+
+
+def fused(hidden, weight, th, wt, labels, tw, a, mode):
+    def loss_fn(z, r):
+        (kd, lm), st = logits_kd_loss(z, teacher_head_logits(th, wt, r), labels=labels[r], chunk_tokens=z.shape[0],
+                                      **_loss_kwargs(a))
+        return ChunkLoss(kd, lm, {"ghost_mass": st.student_residual_mass})
+
+    res = fused_head_loss(hidden, weight, loss_fn, token_weight=tw, chunk_tokens=a.chunk_tokens,
+                          coefficients=(a.alpha, 1.0 - a.alpha) if mode == "coeff" else None)
+    return res.kd, res.lm, res.stats["ghost_mass"]
+
+
+def _fwd_bwd(path, hidden0, weight0, rest, a):
+    hidden = hidden0.detach().requires_grad_(True)
+    weight = weight0.detach().requires_grad_(True)
+    kd, lm, ghost = path(hidden, weight, *rest, a)
+    ((1.0 - a.alpha) * lm + a.alpha * kd).backward()
+    return (float(kd.detach()), float(lm.detach()), float(ghost)), hidden.grad, weight.grad
+
+
+def measure(path, hidden, weight, rest, a):
+    """(values, grads, peak extra bytes, seconds per fwd+bwd (median), all seconds)."""
+    with StorageTimeline() as tl:
+        vals, gh, gw = _fwd_bwd(path, hidden, weight, rest, a)
+        peak = tl.peak([gh, gw])
+    times = []
+    for _ in range(a.repeats):
+        del gh, gw
+        t0 = time.perf_counter()
+        vals, gh, gw = _fwd_bwd(path, hidden, weight, rest, a)
+        times.append(time.perf_counter() - t0)
+    return vals, (gh, gw), peak, statistics.median(times), times
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--teacher-hidden", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--top-k", type=int, default=1024)
+    ap.add_argument("--teacher-scale", type=float, default=5.0)
+    ap.add_argument("--alpha", type=float, default=0.5, help="total = (1 - alpha) lm + alpha kd")
+    ap.add_argument("--chunk-tokens", type=int, default=None, help="default: kdexp.losses.head.head_chunk_rows")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs after the measured warm-up run")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--modes", default="coeff,recompute")
+    a = ap.parse_args(argv)
+    modes = [m for m in a.modes.split(",") if m]
+    if not modes or any(m not in ("coeff", "recompute") for m in modes):
+        ap.error(f"--modes must be a comma list of coeff, recompute; got {a.modes!r}")
+    if a.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {a.repeats}")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    hidden, weight, *rest = _inputs(a)
+    logits_bytes = a.tokens * a.vocab * 4
+    rows = head_chunk_rows(a.tokens, a.vocab, torch.float32, a.chunk_tokens)
+    print(f"head bench: tokens {a.tokens}, H {a.hidden}, teacher H {a.teacher_hidden}, V {a.vocab}, top-k {a.top_k}, "
+          f"chunk {rows} tokens, threads {torch.get_num_threads()}; one fp32 [tokens, V] = {logits_bytes / 2**20:.0f} "
+          "MiB", flush=True)
+    vals_u, (gh_u, gw_u), peak_u, sec_u, times_u = measure(unfused, hidden, weight, rest, a)
+    print(f"unfused: {sec_u:.2f} s, peak extra {peak_u / 2**20:.0f} MiB ({peak_u / logits_bytes:.3f} x fp32 logits)"
+          f", kd {vals_u[0]:.6f} lm {vals_u[1]:.6f}", flush=True)
+    out = dict(tokens=a.tokens, hidden=a.hidden, teacher_hidden=a.teacher_hidden, vocab=a.vocab, top_k=a.top_k,
+               chunk_tokens=rows, threads=torch.get_num_threads(), fp32_logits_bytes=logits_bytes,
+               unfused_peak_bytes=peak_u, unfused_peak_vs_fp32_logits=round(peak_u / logits_bytes, 4),
+               unfused_s=round(sec_u, 3), unfused_times_s=[round(t, 3) for t in times_u])
+    diffs = []
+    for mode in modes:
+        vals, (gh, gw), peak, sec, times = measure(lambda *x, m=mode: fused(*x, m), hidden, weight, rest, a)
+        loss_diff = max(abs(x - y) for x, y in zip(vals, vals_u))
+        grad_diff = max(_rel(gh, gh_u), _rel(gw, gw_u))
+        diffs.append((loss_diff, grad_diff))
+        del gh, gw
+        print(f"fused {mode}: {sec:.2f} s ({sec / sec_u:.3f} x unfused), peak extra {peak / 2**20:.0f} MiB "
+              f"({peak / logits_bytes:.3f} x fp32 logits), |loss diff| {loss_diff:.2e}, grad rel diff {grad_diff:.2e}",
+              flush=True)
+        key = "" if mode == "coeff" else "recompute_"
+        out.update({f"{key}peak_bytes" if key else "fused_peak_bytes": peak,
+                    f"{key}peak_vs_fp32_logits": round(peak / logits_bytes, 4),
+                    f"{key}time_ratio": round(sec / sec_u, 4), f"{key or 'fused_'}s": round(sec, 3),
+                    f"{key or 'fused_'}times_s": [round(t, 3) for t in times]})
+    out.update(max_abs_loss_diff=max(d[0] for d in diffs), max_rel_grad_diff=max(d[1] for d in diffs))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""The fused output head: student hidden states + output weight -> per-token KD / LM losses, chunk by chunk.
+
+`fused_head_loss(hidden, weight, loss_fn, token_weight=...)` is the output layer and any per-token logit loss in one
+autograd Function (the idea of Liger-Kernel's fused linear losses, written for kdexp's losses): per chunk of tokens it
+forms z = hidden_c @ weight.T (in the weight's dtype, as megatron's output layer does; the losses upcast to float32
+themselves), calls loss_fn(z, rows) -> ChunkLoss(kd [c], lm [c] | None, stats {name: [c]} | None) and sums the
+token-weighted values. The [tokens, V_local] logits, their gradient and the teacher's logits exist one chunk at a
+time only. Gradients: hidden_c gets dz @ weight, the weight gets the sum over chunks of dz^T @ hidden_c (accumulated
+in float32 for low-precision weights; float64 stays float64), through autograd, so a tied embedding accumulates both
+uses and megatron DDP's hooks see an ordinary parameter gradient.
+
+Two modes:
+  - coefficients=(w_kd, w_lm): the caller promises total = w_kd * kd + w_lm * lm (the alpha balancer). The gradients
+    are computed in the forward pass (one loss backward per chunk, no recompute) and the backward scales them by the
+    upstream gradient, which is exact because they are linear in it. If the upstream gradients are not proportional
+    to (w_kd, w_lm) (relative tolerance PROPORTIONAL_RTOL), or on a second backward through the same graph, the
+    backward falls back to the recompute below, so the result is right either way.
+  - coefficients=None: the forward only computes values; the backward forms each chunk again and differentiates
+    g_kd * kd + g_lm * lm with the upstream gradients (one more matmul per chunk and a second loss forward).
+
+Tensor parallelism: `weight` is this rank's vocabulary shard and loss_fn reduces its per-row quantities across the
+TP group (the existing losses take tp_group). The head never communicates about the hidden-state gradient: each rank
+returns its partial dz @ weight_shard, and the caller's input region sums them (megatron's
+copy_to_tensor_model_parallel_region, or `tp_copy` here for callers without megatron).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from kdexp.losses._shard import Shard
+from kdexp.rules import is_int
+
+_MiB = 1 << 20
+# One chunk of logits is at most 1/CHUNK_FRACTION of the [tokens, V_local] compute-dtype logits, within
+# [MIN_CHUNK_BYTES, MAX_CHUNK_BYTES]. About three chunk-sized tensors are live at once (the student chunk, its
+# gradient, the online teacher's chunk), so the head's working set is ~3/32 of the full logits; below ~64 rows the
+# matmuls re-read the weight too often for a CPU to keep up.
+CHUNK_FRACTION = 32
+MIN_CHUNK_BYTES = 4 * _MiB
+MAX_CHUNK_BYTES = 256 * _MiB
+# How far the upstream gradients may be from proportional to `coefficients` before the backward recomputes.
+PROPORTIONAL_RTOL = 1e-5
+
+
+class ChunkLoss(NamedTuple):
+    """What loss_fn returns for one chunk of tokens: per-token KD loss [c], LM loss [c] (or None), stats {name: [c]}."""
+
+    kd: torch.Tensor
+    lm: torch.Tensor | None = None
+    stats: dict[str, torch.Tensor] | None = None
+
+
+class HeadResult(NamedTuple):
+    """Token-weighted sums (with token_weight = mask / denom: the masked means). lm is None when loss_fn gives none;
+    stats are no-grad scalars, weighted the same way."""
+
+    kd: torch.Tensor
+    lm: torch.Tensor | None
+    stats: dict[str, torch.Tensor]
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def head_chunk_rows(n: int, local_vocab: int, dtype: torch.dtype, chunk_tokens: int | None = None) -> int:
+    """Tokens per chunk: `chunk_tokens` if given, else the CHUNK_FRACTION rule above, in equal chunks. Under TP pass
+    the largest shard's local_vocab so that every rank cuts the same chunks (the losses communicate per chunk)."""
+    if chunk_tokens is not None:
+        return max(1, min(n, chunk_tokens))
+    row = local_vocab * torch.finfo(_acc_dtype(dtype)).bits // 8
+    budget = min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, n * row // CHUNK_FRACTION))
+    rows = max(1, min(n, budget // row))
+    return -(-n // -(-n // rows))  # as many chunks, of equal height
+
+
+def _check_matrix(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != 2 or not t.is_floating_point():
+        got = f"shape {tuple(t.shape)}, {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a 2-D floating-point tensor, got {got}")
+
+
+def _check_head(hidden, weight, hidden_name: str, weight_name: str) -> None:
+    _check_matrix(hidden_name, hidden)
+    _check_matrix(weight_name, weight)
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"{hidden_name} {tuple(hidden.shape)} and {weight_name} {tuple(weight.shape)} disagree on "
+                         f"the hidden size ({hidden.shape[1]} vs {weight.shape[1]}): {weight_name} is [V_local, H]")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"{hidden_name} ({hidden.dtype}) and {weight_name} ({weight.dtype}) must have one dtype")
+    if hidden.device != weight.device:
+        raise ValueError(f"{hidden_name} ({hidden.device}) and {weight_name} ({weight.device}) must be on one device")
+
+
+def fused_head_loss(hidden: torch.Tensor, weight: torch.Tensor, loss_fn: Callable[[torch.Tensor, slice], ChunkLoss],
+                    *, token_weight: torch.Tensor, coefficients: tuple[float, float] | None = None,
+                    chunk_tokens: int | None = None, vocab_size: int | None = None, tp_group=None) -> HeadResult:
+    """The KD (and fused LM) loss of the student head, token-weighted, without [n, V_local] logits.
+
+    hidden [n, H] (the full token set of this rank), weight [V_local, H] (this rank's vocabulary shard; tied
+    embedding allowed), token_weight [n] (mask / denom). loss_fn(z [c, V_local], rows) -> ChunkLoss, with z in the
+    weight's dtype. coefficients: (w_kd, w_lm) when total = w_kd * kd + w_lm * lm (gradients in the forward pass);
+    None: recompute in backward. chunk_tokens: tokens per chunk (default: head_chunk_rows). vocab_size (optional,
+    the padded global vocabulary): checked against weight's rows times the TP size of tp_group; tp_group is used
+    for that check and to agree on the chunk size, never for the hidden-state gradient (see tp_copy).
+    """
+    _check_head(hidden, weight, "hidden", "weight")
+    n = hidden.shape[0]
+    if not isinstance(token_weight, torch.Tensor) or tuple(token_weight.shape) != (n,) \
+            or not token_weight.is_floating_point():
+        raise ValueError(f"token_weight must be a float tensor of shape ({n},) (one weight per row of hidden), got "
+                         f"{getattr(token_weight, 'shape', token_weight)!r}")
+    if not callable(loss_fn):
+        raise ValueError(f"loss_fn must be callable (z, rows) -> ChunkLoss, got {type(loss_fn).__name__}")
+    if coefficients is not None:
+        if len(coefficients) != 2 or not all(isinstance(c, (int, float)) and not isinstance(c, bool)
+                                             and math.isfinite(c) for c in coefficients):
+            raise ValueError(f"coefficients must be None or two finite numbers (w_kd, w_lm), got {coefficients!r}")
+        coefficients = (float(coefficients[0]), float(coefficients[1]))
+    if chunk_tokens is not None and (not is_int(chunk_tokens) or chunk_tokens < 1):
+        raise ValueError(f"chunk_tokens must be an int >= 1 or None, got {chunk_tokens!r}")
+    shard = Shard.make(weight.shape[0], tp_group, weight.device)
+    if vocab_size is not None:
+        if not is_int(vocab_size) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be an int >= 1 or None, got {vocab_size!r}")
+        if vocab_size % shard.world or weight.shape[0] != vocab_size // shard.world:
+            raise ValueError(f"weight has {weight.shape[0]} rows, but vocab_size {vocab_size} over a TP size of "
+                             f"{shard.world} needs {vocab_size / shard.world:g} rows per rank (megatron pads the "
+                             "vocabulary to a multiple of the TP size)")
+    rows = head_chunk_rows(n, shard.max_local_vocab, weight.dtype, chunk_tokens)
+    side: dict = {}
+    kd, lm, stats = _FusedHead.apply(hidden, weight, token_weight.detach(), loss_fn, coefficients, rows, side)
+    names = side["stat_names"]
+    return HeadResult(kd, lm if side["has_lm"] else None, {k: stats[i] for i, k in enumerate(names)})
+
+
+def _chunks(n: int, rows: int):
+    for r0 in range(0, n, rows):
+        yield slice(r0, min(n, r0 + rows))
+
+
+def _logits(hidden_c: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return hidden_c @ weight.T  # the weight dtype, as megatron's ColumnParallelLinear output layer
+
+
+def _chunk_grad(out: ChunkLoss, z: torch.Tensor, g_kd, g_lm) -> torch.Tensor:
+    """d(sum g_kd * kd + g_lm * lm)/dz for one chunk (g_*: per-token weights [c]); zeros when nothing depends on z."""
+    outs, grads = [], []
+    for loss, g in ((out.kd, g_kd), (out.lm, g_lm)):
+        if loss is not None and g is not None and loss.requires_grad:
+            outs.append(loss)
+            grads.append(g.to(loss.dtype))
+    gz = torch.autograd.grad(outs, z, grads, allow_unused=True)[0] if outs else None
+    return torch.zeros_like(z) if gz is None else gz
+
+
+class _Grads:
+    """The hidden / weight gradients filled chunk by chunk (the weight's summed in `acc`, float32 or float64)."""
+
+    def __init__(self, hidden, weight, need_h: bool, need_w: bool):
+        self.weight_dtype = weight.dtype
+        self.h = torch.empty_like(hidden) if need_h else None
+        self.w = torch.zeros(weight.shape, dtype=_acc_dtype(weight.dtype), device=weight.device) if need_w else None
+
+    def add(self, r: slice, gz: torch.Tensor, hidden_c: torch.Tensor, weight: torch.Tensor) -> None:
+        if self.h is not None:
+            torch.mm(gz, weight, out=self.h[r])
+        if self.w is not None:
+            if gz.dtype == self.w.dtype:
+                self.w.addmm_(gz.T, hidden_c)
+            else:  # a bf16 partial (fp32 accumulation inside the matmul), summed over chunks in float32
+                self.w.add_(gz.T @ hidden_c)
+
+    def result(self):
+        w = self.w if self.w is None or self.w.dtype == self.weight_dtype else self.w.to(self.weight_dtype)
+        return self.h, w
+
+
+class _FusedHead(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, token_weight, loss_fn, coefficients, rows, side):
+        n = hidden.shape[0]
+        acc = _acc_dtype(weight.dtype)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        eager = coefficients is not None and (need_h or need_w)
+        grads = _Grads(hidden, weight, need_h, need_w) if eager else None
+        kd_sum = torch.zeros((), dtype=acc, device=hidden.device)
+        lm_sum = torch.zeros_like(kd_sum)
+        stat_sums: dict[str, torch.Tensor] = {}
+        has_lm = None
+        for r in _chunks(n, rows):
+            h = hidden[r]
+            tw = token_weight[r].to(acc)
+            z = _logits(h, weight)
+            with torch.enable_grad():
+                z.requires_grad_(eager)
+                out = loss_fn(z, r)
+                if has_lm is None:
+                    has_lm = out.lm is not None
+                if (out.lm is not None) != has_lm:
+                    raise ValueError("loss_fn must return lm for every chunk or for none")
+                kd_sum += (out.kd.detach().to(acc) * tw).sum()
+                if has_lm:
+                    lm_sum += (out.lm.detach().to(acc) * tw).sum()
+                for k, v in (out.stats or {}).items():
+                    part = (v.detach().to(acc) * tw).sum()
+                    stat_sums[k] = stat_sums[k] + part if k in stat_sums else part
+                if eager:
+                    w_kd, w_lm = coefficients
+                    gz = _chunk_grad(out, z, tw * w_kd, tw * w_lm if has_lm else None)
+            if eager:
+                grads.add(r, gz, h, weight)
+                del gz  # before the next chunk's logits: one chunk's gradient alive at a time
+            del z, out
+        names = list(stat_sums)
+        stats = torch.stack([stat_sums[k] for k in names]) if names else kd_sum.new_zeros(0)
+        side.update(stat_names=names, has_lm=bool(has_lm))
+        ctx.save_for_backward(hidden, weight, token_weight)
+        ctx.loss_fn, ctx.rows, ctx.coefficients, ctx.has_lm = loss_fn, rows, coefficients, bool(has_lm)
+        ctx.grads = grads.result() if eager else None
+        ctx.mark_non_differentiable(stats)
+        if not has_lm:
+            ctx.mark_non_differentiable(lm_sum)
+        return kd_sum, lm_sum, stats
+
+    @staticmethod
+    def backward(ctx, g_kd, g_lm, _g_stats):
+        hidden, weight, token_weight = ctx.saved_tensors
+        held, ctx.grads = ctx.grads, None  # scaled in place once: a second backward (retain_graph) recomputes
+        if held is not None:
+            scale = _proportional(g_kd, g_lm if ctx.has_lm else None, ctx.coefficients)
+            if scale is not None:
+                gh, gw = held
+                return (_scaled_(gh, scale), _scaled_(gw, scale), None, None, None, None, None)
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grads = _Grads(hidden, weight, need_h, need_w)
+        acc = _acc_dtype(weight.dtype)
+        for r in _chunks(hidden.shape[0], ctx.rows):
+            h = hidden[r]
+            tw = token_weight[r].to(acc)
+            z = _logits(h, weight)
+            with torch.enable_grad():
+                z.requires_grad_(True)
+                out = ctx.loss_fn(z, r)
+                gz = _chunk_grad(out, z, None if g_kd is None else tw * g_kd.to(acc),
+                                 None if g_lm is None or not ctx.has_lm else tw * g_lm.to(acc))
+            grads.add(r, gz, h, weight)
+            del z, out, gz
+        gh, gw = grads.result()
+        return gh, gw, None, None, None, None, None
+
+
+def _proportional(g_kd, g_lm, coefficients) -> float | None:
+    """s with (g_kd, g_lm) = s (w_kd, w_lm) (a missing upstream gradient counts as 0), or None if there is none."""
+    w = [coefficients[0]] + ([coefficients[1]] if g_lm is not None else [])
+    g = [0.0 if g_kd is None else float(g_kd)] + ([float(g_lm)] if g_lm is not None else [])
+    i = max(range(len(w)), key=lambda j: abs(w[j]))
+    if w[i] == 0.0:
+        return 0.0 if all(x == 0.0 for x in g) else None
+    s = g[i] / w[i]
+    tol = PROPORTIONAL_RTOL * abs(s) * abs(w[i])
+    return s if all(abs(gj - s * wj) <= tol for gj, wj in zip(g, w)) else None
+
+
+def _scaled_(t: torch.Tensor | None, scale: float) -> torch.Tensor | None:
+    if t is None or scale == 1.0:
+        return t
+    return t.mul_(scale)
+
+
+def teacher_head_logits(hidden_t: torch.Tensor, weight_t: torch.Tensor, rows: slice) -> torch.Tensor:
+    """The online teacher's logits for the token rows `rows`: hidden_t[rows] @ weight_t.T, [c, V_local] in the weight's
+    dtype, without grad (loss_fn forms one chunk at a time with it)."""
+    _check_head(hidden_t, weight_t, "hidden_t", "weight_t")
+    with torch.no_grad():
+        return _logits(hidden_t[rows], weight_t)
+
+
+class _TPCopy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+def tp_copy(hidden: torch.Tensor, group) -> torch.Tensor:
+    """Identity forward, all-reduce (sum) of the gradient over `group` in backward: megatron's
+    copy_to_tensor_model_parallel_region in pure torch. Put it before fused_head_loss when each TP rank holds a
+    vocabulary shard, so that the hidden states get the sum of the ranks' partial gradients."""
+    if group is None or dist.get_world_size(group) == 1:
+        return hidden
+    return _TPCopy.apply(hidden, group)
