@@ -51,6 +51,7 @@ def test_a_registered_loss_trains_a_smoke_run(tmp_path, monkeypatch):
                 "trainer.max_steps=3", "trainer.eval_interval=3", "trainer.checkpoint_interval=3"])
         kdexp.config.validate(cfg)
         LogitMSETerm.calls = 0
+        (tmp_path / str(fused)).mkdir()
         with lone_process(seed=cfg.trainer.seed):
             finals[fused], _ = distill(cfg, tmp_path / str(fused), config_hash="mse", make_teacher=_random_teacher)
         assert LogitMSETerm.calls >= 3

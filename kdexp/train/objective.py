@@ -26,16 +26,10 @@ import torch
 
 from kdexp import distributed, models
 from kdexp.losses import KDLossOptions, SampledKDOptions
+# A term's chunk result: per-token kd [c], lm [c] (None: the objective adds the cross-entropy), stats name -> [c]
+# (logged as train/<name>); the fused head's own type.
+from kdexp.losses.head import ChunkLoss, fused_head_loss, head_chunk_rows, teacher_head_logits
 from kdexp.train import objectives
-
-
-class ChunkLoss(NamedTuple):
-    """Per-token values of one chunk of tokens: kd [c], lm [c] (None: the objective adds the cross-entropy), stats
-    name -> [c] (logged as train/<name>)."""
-
-    kd: torch.Tensor
-    lm: Optional[torch.Tensor]
-    stats: dict
 
 
 class ObjectiveResult(NamedTuple):
@@ -70,8 +64,6 @@ class ModelOut:
         """This rank's vocabulary shard of the logits of token `rows` [c, V/tp] (no grad for a teacher)."""
         if self.logits is not None:
             return self.logits.reshape(-1, self.logits.shape[-1])[rows]
-        from kdexp.losses.head import teacher_head_logits
-
         return teacher_head_logits(self.hidden, self.weight, rows)
 
 
@@ -309,10 +301,8 @@ class Objective:
     def _apply(self, loss_fn, out: ModelOut, mask, denom, coefficients=None) -> tuple:
         """(kd, lm, stats) token-normalised: through the fused head, or `loss_fn` once over the whole logits."""
         if self.fused:
-            from kdexp.losses.head import fused_head_loss
-
             r = fused_head_loss(out.hidden, out.weight, loss_fn, token_weight=mask / denom,
-                                coefficients=coefficients)
+                                coefficients=coefficients, tp_group=distributed.tp_group())
             return r.kd, r.lm, dict(r.stats)
         n = out.tokens
         c = loss_fn(out.logits.reshape(n, -1), slice(0, n))
@@ -369,12 +359,15 @@ class Objective:
         return torch.stack([kl, stats["top1"], lm])
 
 
-def _eval_chunks(loss_fn, out: ModelOut, token_weight, chunk_tokens: int = 1024) -> tuple:
-    """No-grad fused evaluation: each chunk's logits formed from the hidden states, used, dropped."""
+def _eval_chunks(loss_fn, out: ModelOut, token_weight) -> tuple:
+    """No-grad fused evaluation: each chunk's logits formed from the hidden states, used, dropped (the head's chunk
+    rule, the same on every TP rank)."""
     kd = lm = torch.zeros((), device=token_weight.device)
     stats: dict = {}
-    for lo in range(0, out.tokens, chunk_tokens):
-        rows = slice(lo, lo + chunk_tokens)
+    n = out.tokens
+    rows_per = head_chunk_rows(n, out.weight.shape[0], out.weight.dtype)
+    for lo in range(0, n, rows_per):
+        rows = slice(lo, min(n, lo + rows_per))
         z = out.chunk_logits(rows)
         c = loss_fn(z, rows)
         w = token_weight[rows]
