@@ -210,12 +210,12 @@ def test_the_cli_prints_the_real_qwen3_plan_without_weights_and_rejects_bad_inpu
 
     args = ["--gpus", "8", "model=qwen3", "trainer.precision=bf16", "trainer.seq_length=4096",
             "trainer.micro_batch_size=1", "trainer.global_batch_size=256", "parallel.tensor=2"]
-    assert main([*args, "--json"]) == 0
+    assert main([*args, "loss.fused_head=true", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
     assert (p["tp"], p["dp"], p["accumulation"]) == (2, 4, 64)
     items = {it["name"]: it["bytes"] for it in p["items"]}
     assert items["teacher weights"] == 2 * sizing.params_per_rank(models.QWEN3_SIZES["1.7b"], 2)
-    assert "teacher logits" not in items  # the fused head (the default): hidden states, logits one chunk at a time
+    assert "teacher logits" not in items  # the fused head: hidden states, logits one chunk at a time
     assert items["teacher hidden states"] == 4096 * 2048 * 2 and items["head hidden states"] == 4096 * 1024 * 2
     assert p["peak"] == sum(items.values())
     assert main([*args, "loss.fused_head=false", "--json"]) == 0
@@ -228,12 +228,12 @@ def test_the_cli_prints_the_real_qwen3_plan_without_weights_and_rejects_bad_inpu
 
 
 def test_the_fused_head_is_planned_as_hidden_states_and_one_chunk():
-    """loss.fused_head (the default): no [tokens, V] item; the teacher's and the student's final hidden states, the
+    """loss.fused_head: no [tokens, V] item; the teacher's and the student's final hidden states, the
     head's gradients (hidden states, the output weight's fp32 accumulator) and one chunk of tokens' logit items."""
     from kdexp.losses.head import head_chunk_rows
 
     n, v = 2 * 64, 2048
-    items = {name: b for name, b, _ in make_plan(_cfg()).items}
+    items = {name: b for name, b, _ in make_plan(_cfg("loss.fused_head=true")).items}
     whole = {name: b for name, b, _ in make_plan(_cfg("loss.fused_head=false")).items}
     assert not {"teacher logits", "student logits", "logit gradients"} & set(items)
     assert items["teacher hidden states"] == n * 256 * 4 and items["head hidden states"] == n * 128 * 4
@@ -241,13 +241,13 @@ def test_the_fused_head_is_planned_as_hidden_states_and_one_chunk():
     rows = head_chunk_rows(n, v, torch.float32)
     assert rows < n and items["head chunk working set"] < whole["teacher logits"] + whole["student logits"]
     assert items["head chunk working set"] >= rows * v * 4 * 3  # teacher and student chunk logits, their gradient
-    cached = {name: b for name, b, _ in make_plan(_cfg("teacher=cached")).items}
+    cached = {name: b for name, b, _ in make_plan(_cfg("teacher=cached", "loss.fused_head=true")).items}
     assert "teacher hidden states" not in cached and cached["teacher cache record"] > 0
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [(), ("loss=dense", "balancer.alpha=1.0"), ("loss.fused_head=false",),
-                                       ("loss=dense", "balancer.alpha=1.0", "loss.fused_head=false")])
+@pytest.mark.parametrize("overrides", [("loss.fused_head=true",), ("loss=dense", "balancer.alpha=1.0", "loss.fused_head=true"),
+                                       (), ("loss=dense", "balancer.alpha=1.0")])
 def test_the_plan_bounds_a_real_train_step_from_above(overrides):
     """One trainer step (kdexp.train.step.train_step, after a first step allocated the optimizer state) on the CPU:
     the peak of the tensor storages it creates (kdexp.bench.losses.PeakTensorMemory) against the plan's items that

@@ -51,7 +51,7 @@ class LossConfig(KDLossOptions, SampledKDOptions):
     intermediate: List[IntermediatePair] = field(default_factory=list)
     # The output layer fused into the objective (kdexp.losses.head): logits formed chunk by chunk from the final
     # hidden states, never [tokens, vocab] at once; false: the models' whole logits (the reference path).
-    fused_head: bool = True
+    fused_head: bool = False
 
 
 @dataclass
