@@ -112,14 +112,17 @@ def test_fused_lm_refuses_what_it_cannot_serve():
 
 def test_the_step_rule_fuses_sparse_and_sampled_losses_at_temperature_one():
     from kdexp.config import LossConfig
-    from kdexp.train import objectives
+    from kdexp.train import objective
 
-    assert objectives.fuses_lm(LossConfig(top_k=1024))
-    assert objectives.fuses_lm(LossConfig(top_k=None, top_p=0.9))
-    assert objectives.fuses_lm(LossConfig(top_k=None, ghost_token=False, samples=64))
-    assert not objectives.fuses_lm(LossConfig(top_k=None))  # dense
-    assert not objectives.fuses_lm(LossConfig(top_k=None, top_p=1.0))  # a nucleus that cuts nothing: dense
-    assert not objectives.fuses_lm(LossConfig(top_k=1024, temperature=2.0))
+    def fuses_lm(c):  # the term the registry builds for an online teacher
+        return objective.LOSSES[(objective.family(c), "online")](c, None).fuses_lm
+
+    assert fuses_lm(LossConfig(top_k=1024))
+    assert fuses_lm(LossConfig(top_k=None, top_p=0.9))
+    assert fuses_lm(LossConfig(top_k=None, ghost_token=False, samples=64))
+    assert not fuses_lm(LossConfig(top_k=None))  # dense
+    assert not fuses_lm(LossConfig(top_k=None, top_p=1.0))  # a nucleus that cuts nothing: dense
+    assert not fuses_lm(LossConfig(top_k=1024, temperature=2.0))
 
 
 # --------------------------------------------------------------------------------------------------------- TP=2
@@ -178,17 +181,16 @@ def test_the_trainers_step_fused_and_unfused_agree(overrides, monkeypatch):
     with initialize_config_module(config_module="kdexp.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=["logger=none", "experiment=smoke", *overrides])
     kdexp.config.validate(cfg)
-    assert objectives.fuses_lm(cfg.loss)
     with lone_process(seed=1) as st:
-        monkeypatch.setattr(loop, "get_teacher", gpu_scale._random_teacher)
-        s = loop.setup(cfg)
+        s = loop.setup(cfg, make_teacher=gpu_scale._random_teacher)
+        assert s.objective.fuses_lm
         batch = objectives.batch_to(next(iter(batches(s.data.train_ds, micro_batch_size=cfg.trainer.micro_batch_size,
                                                       dp_rank=0, dp_size=1))), st.device)
         runs = []
         for fuse in (True, False):
-            monkeypatch.setattr(objectives, "fuses_lm", (lambda c: True) if fuse else (lambda c: False))
+            s.objective.fuses_lm = fuse
             s.student.zero_grad(set_to_none=True)
-            parts = train_step(s.student, s.teacher, batch, s.balancer, cfg, s.balancer.needs_lm_loss, step=3)
+            parts = train_step(s.student, s.objective, batch, s.balancer, cfg, s.balancer.needs_lm_loss, step=3)
             grads = {n: p.grad.detach().clone() for n, p in s.student.named_parameters() if p.grad is not None}
             runs.append(({k: float(v) for k, v in parts.items()}, grads))
     (fp, fg), (up, ug) = runs

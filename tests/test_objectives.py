@@ -1,4 +1,4 @@
-"""kdexp.train.objectives on tiny tensors against float64 hand computations: the masked LM cross-entropy, the KD loss
+"""kdexp.train.objectives (and the objective built from them, kdexp.train.objective) on tiny tensors against float64 hand computations: the masked LM cross-entropy, the KD loss
 and its logged stats (kept mass, ghost mass, nucleus size), val/kl_to_teacher and val/top1_agreement.
 
 The KD loss is compared with tests/_kd_reference.py (an independent float64 reference written from the definition).
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from _lone_process import lone_process as _lone_process
+from _objective import kd_loss
 from _kd_reference import reference_kd
 from kdexp.config import LossConfig
 from kdexp.train import objectives
@@ -73,7 +74,7 @@ def test_kd_loss_and_its_stats_match_the_float64_reference(options):
     s, t, _, mask = tiny(1)
     cfg = LossConfig(**options)
     s = s.requires_grad_(True)
-    loss, stats = objectives.kd_loss(s, t, mask, cfg)
+    loss, stats = kd_loss(s, t, mask, cfg)
     kw = {k: v for k, v in options.items() if k != "name"}
     ref_s = s.detach().double().reshape(-1, V).requires_grad_(True)
     ref, ref_stats = reference_kd(ref_s, t.double().reshape(-1, V), **kw)
@@ -94,7 +95,7 @@ def test_kd_loss_and_its_stats_match_the_float64_reference(options):
 
 def test_kd_loss_is_zero_when_the_student_is_the_teacher():
     _, t, _, mask = tiny(2)
-    loss, stats = objectives.kd_loss(t.clone(), t, mask, LossConfig(top_k=4))
+    loss, stats = kd_loss(t.clone(), t, mask, LossConfig(top_k=4))
     assert abs(loss.item()) < 1e-6
     assert stats["ghost_mass"].item() == pytest.approx(1 - stats["kept_mass"].item(), abs=1e-6)
 

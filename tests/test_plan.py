@@ -194,7 +194,7 @@ def test_the_decoded_record_size_is_what_decode_record_returns(record):
 
 
 def test_the_smoke_plan_item_by_item():
-    p = make_plan(_cfg())
+    p = make_plan(_cfg("loss.fused_head=false"))  # the reference path: whole logits
     items = {name: b for name, b, _ in p.items}
     n, v = 2 * 64, 2048  # micro 2 x seq 64 tokens, data.vocab_size
     student = models.get_spec("tiny-student", vocab_size=v)
@@ -207,7 +207,7 @@ def test_the_smoke_plan_item_by_item():
     # and the label's column, flags, logit and loss
     assert "LM loss fp32 softmax" not in items and items["logit gradients"] == n * v * 4
     assert items["KD loss saved values"] == n * (1024 * (8 + 1 + 4 + 4) + 12 + 24 + 8 + 2 + 8)
-    unfused = {name: b for name, b, _ in make_plan(_cfg("loss.temperature=2.0")).items}
+    unfused = {name: b for name, b, _ in make_plan(_cfg("loss.temperature=2.0", "loss.fused_head=false")).items}
     assert unfused["LM loss fp32 softmax"] == n * v * 4
     assert unfused["logit gradients"] == 2 * n * v * 4  # KD's and LM's (alpha=0.9)
     assert unfused["KD loss saved values"] == n * (1024 * (8 + 1 + 4) + 12 + 24)
@@ -215,7 +215,7 @@ def test_the_smoke_plan_item_by_item():
     # nucleus cut the loss works in the gradient's own rows (kdexp.losses.logits.holds_gradient), elsewhere in a
     # [rows, V+1] buffer of its own (bf16 logits here)
     assert items["KD loss chunk buffer"] == n * sizing.KD_CHUNK_K_ARRAYS * 1025 * 4  # no nucleus cut
-    bf16 = {name: b for name, b, _ in make_plan(_cfg("trainer.precision=bf16")).items}
+    bf16 = {name: b for name, b, _ in make_plan(_cfg("trainer.precision=bf16", "loss.fused_head=false")).items}
     assert bf16["KD loss chunk buffer"] == n * (v + 1 + sizing.KD_CHUNK_K_ARRAYS * 1025) * 4
     assert "attention score buffer" not in items  # model.attention=sdpa: no score tensor
     unfused_attn = {name: b for name, b, _ in make_plan(_cfg("model.attention=megatron")).items}
@@ -263,28 +263,53 @@ def test_the_cli_prints_the_real_qwen3_plan_without_weights_and_rejects_bad_inpu
 
     args = ["--gpus", "8", "model=qwen3", "trainer.precision=bf16", "trainer.seq_length=4096",
             "trainer.micro_batch_size=1", "trainer.global_batch_size=256", "parallel.tensor=2"]
-    assert main([*args, "--json"]) == 0
+    assert main([*args, "loss.fused_head=true", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
     assert (p["tp"], p["dp"], p["accumulation"]) == (2, 4, 64)
     items = {it["name"]: it["bytes"] for it in p["items"]}
     assert items["teacher weights"] == 2 * sizing.params_per_rank(models.QWEN3_SIZES["1.7b"], 2)
-    assert items["teacher logits"] == 4096 * 151936 // 2 * 2
+    assert "teacher logits" not in items  # the fused head: hidden states, logits one chunk at a time
+    assert items["teacher hidden states"] == 4096 * 2048 * 2 and items["head hidden states"] == 4096 * 1024 * 2
     assert p["peak"] == sum(items.values())
+    assert main([*args, "loss.fused_head=false", "--json"]) == 0
+    whole = {it["name"]: it["bytes"] for it in json.loads(capsys.readouterr().out)["items"]}
+    assert whole["teacher logits"] == whole["student logits"] == 4096 * 151936 // 2 * 2
     assert main(["trainer.recompute=half", "model=qwen3"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kdexp.plan: error: trainer.recompute='half' is invalid") and err.count("\n") == 1
     assert main(["trainer.no_such_key=1"]) == 2 and "no_such_key" in capsys.readouterr().err
 
 
+def test_the_fused_head_is_planned_as_hidden_states_and_one_chunk():
+    """loss.fused_head: no [tokens, V] item; the teacher's and the student's final hidden states, the
+    head's gradients (hidden states, the output weight's fp32 accumulator) and one chunk of tokens' logit items."""
+    from kdexp.losses.head import head_chunk_rows
+
+    n, v = 2 * 64, 2048
+    items = {name: b for name, b, _ in make_plan(_cfg("loss.fused_head=true")).items}
+    whole = {name: b for name, b, _ in make_plan(_cfg("loss.fused_head=false")).items}
+    assert not {"teacher logits", "student logits", "logit gradients"} & set(items)
+    assert items["teacher hidden states"] == n * 256 * 4 and items["head hidden states"] == n * 128 * 4
+    assert items["head gradients"] == n * 128 * 4 + v * 128 * 4
+    rows = head_chunk_rows(n, v, torch.float32)
+    assert rows == n  # the smoke batch fits the head's 4 MiB minimum chunk: its working set is the whole-logit items
+    assert items["head chunk working set"] == sum(whole.get(k, 0) for k in (
+        "teacher logits", "student logits", "LM loss fp32 softmax", "KD loss saved values", "logit gradients",
+        "KD loss chunk buffer"))
+    assert items["head chunk working set"] >= rows * v * 4 * 3  # teacher and student chunk logits, their gradient
+    cached = {name: b for name, b, _ in make_plan(_cfg("teacher=cached", "loss.fused_head=true")).items}
+    assert "teacher hidden states" not in cached and cached["teacher cache record"] > 0
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("overrides", [(), ("loss=dense", "balancer.alpha=1.0"), ("model.attention=megatron",)])
+@pytest.mark.parametrize("overrides", [("loss.fused_head=true",),
+                                       ("loss=dense", "balancer.alpha=1.0", "loss.fused_head=true"),
+                                       (), ("loss=dense", "balancer.alpha=1.0"), ("model.attention=megatron",)])
 def test_the_plan_bounds_a_real_train_step_from_above(overrides):
     """One trainer step (kdexp.train.step.train_step, after a first step allocated the optimizer state) on the CPU:
     the peak of the tensor storages it creates (kdexp.bench.losses.PeakTensorMemory) against the plan's items that
     a step allocates (gradients, activations, logits, loss buffers). The plan adds them all at once, so it bounds the
     step from above; it must not be loose either."""
-    from unittest import mock
-
     from kdexp.bench import gpu_scale
     from kdexp.bench.losses import PeakTensorMemory
     from kdexp.data import batches
@@ -293,13 +318,12 @@ def test_the_plan_bounds_a_real_train_step_from_above(overrides):
 
     cfg = _cfg("logger=none", *overrides)
     with lone_process(seed=1) as st:
-        with mock.patch.object(loop, "get_teacher", gpu_scale._random_teacher):
-            s = loop.setup(cfg)
+        s = loop.setup(cfg, make_teacher=gpu_scale._random_teacher)
         stream = batches(s.data.train_ds, micro_batch_size=cfg.trainer.micro_batch_size, dp_rank=0, dp_size=1)
 
         def step():
             s.optimizer.zero_grad(set_to_none=True)
-            train_step(s.student, s.teacher, objectives.batch_to(next(stream), st.device), s.balancer, cfg,
+            train_step(s.student, s.objective, objectives.batch_to(next(stream), st.device), s.balancer, cfg,
                        s.balancer.needs_lm_loss)
 
         step()
@@ -334,7 +358,10 @@ def test_the_plan_bounds_the_kd_loss_alone(overrides, tight):
     n, v = cfg.trainer.micro_batch_size * cfg.trainer.seq_length, cfg.data.vocab_size
     torch.manual_seed(0)
     student, teacher = (torch.randn(n, v) * 3).requires_grad_(), torch.randn(n, v) * 3
-    from kdexp.train.objectives import fuses_lm
+    from kdexp.losses.options import SampledKDOptions
+
+    def fuses_lm(c):  # the step's rule (the registry's terms): a Top-K / Top-P or sampled loss at T = 1
+        return KDLossOptions.from_config(c).fuses_lm(sampled=SampledKDOptions.from_config(c).enabled)
 
     labels = torch.randint(0, v, (n,)) if fuses_lm(cfg.loss) else None  # as the step calls it: the LM loss fused
 

@@ -70,13 +70,13 @@ def _student_and_mask():
 
 def _cached_vs_online(cache, proposal, temperature, normalize):
     """(cached objective: loss, stats, grad), (online reference: loss, stats, grad), the online draws."""
-    from kdexp.train import objectives
+    from _objective import kd_loss
 
     student, mask = _student_and_mask()
     a = student.clone().requires_grad_(True)
     with lone_process(seed=0):
-        kd, stats = objectives.cached_kd_loss(a, cache, torch.tensor(SAMPLES), mask,
-                                              _loss_cfg(temperature, proposal, normalize))
+        kd, stats = kd_loss(a, cache, mask, _loss_cfg(temperature, proposal, normalize),
+                            sample_index=torch.tensor(SAMPLES))
     kd.backward()
     online = _online(SAMPLES, proposal, temperature, normalize)
     b = student.clone().requires_grad_(True)

@@ -2,7 +2,7 @@
 
 Random init (no weights exist on a check machine): the trainer's own setup (kdexp.train.loop.setup: data, student,
 optimizer, balancer) with the teacher built from its QWEN3_SIZES shape instead of loaded, then the trainer's own step
-(kdexp.train.step.train_step, DP averaging, clipping, the non-finite guard, the optimizer step) on the embedded corpus
+(kdexp.train.step.StepDriver: train_step, DP averaging, clipping, the non-finite guard, the optimizer step) on the embedded corpus
 re-tokenised by a small BPE (token ids below the models' 151,936-entry vocabulary; the logits are full width).
 It times `steps` KD steps, then LM-only steps (the student alone, no teacher: what training without distillation
 costs), and reports tokens/s, MFU, torch.cuda.max_memory_allocated of each phase and kdexp.plan's prediction.
@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from unittest import mock
 
 import torch
 
@@ -67,19 +66,18 @@ def _peak_tflops(cfg, device) -> float:
 
 def run(teacher: str = "1.7b", student: str = "0.6b", *, steps: int = 50, lm_steps: int = 10, warmup: int = 3,
         seq: int = 4096, micro: int = 1, recompute: str = "none", extra: tuple = ()) -> dict:
-    from kdexp import distributed, models
+    from kdexp import distributed
     from kdexp.data import batches
     from kdexp.plan import GiB, make_plan
     from kdexp.train import loop, objectives, optim
-    from kdexp.train.step import NonFiniteGuard, apply_update, reduce_and_clip, train_step
+    from kdexp.train.step import StepDriver
 
     cfg, notes = compose_cfg(teacher, student, seq=seq, micro=micro, steps=max(steps, 1), recompute=recompute,
                              extra=extra)
     st = distributed.initialize(tensor_parallel=int(cfg.parallel.tensor), seed=cfg.trainer.seed)
-    with mock.patch.object(loop, "get_teacher", _random_teacher):
-        s = loop.setup(cfg)
+    s = loop.setup(cfg, make_teacher=_random_teacher)
     t = cfg.trainer
-    guard = NonFiniteGuard(t.skip_nonfinite)
+    driver = StepDriver(s, cfg)
     stream = iter(())
 
     def batch():
@@ -91,22 +89,11 @@ def run(teacher: str = "1.7b", student: str = "0.6b", *, steps: int = 50, lm_ste
                              dp_size=st.dp_size)
             return objectives.batch_to(next(stream), st.device)
 
-    def update(step, loss):  # kdexp.train.loop.distill after the backward pass (either optimizer path)
-        norm = reduce_and_clip(s.student, s.optimizer, t.grad_clip)
-        apply_update(s.optimizer, guard.check_step(step, loss, norm))
-        return loss
-
     def kd_step(step):
-        s.optimizer.zero_grad(set_to_none=True)
-        return update(step, train_step(s.student, s.teacher, batch(), s.balancer, cfg, s.balancer.needs_lm_loss,
-                                       step=step, micro_context=getattr(s.optimizer, "micro_context", None))["train/loss"])
+        return driver.step(step - 1, batch())[0]["train/loss"]
 
     def lm_step(step):
-        s.optimizer.zero_grad(set_to_none=True)
-        b = batch()
-        loss = objectives.lm_loss(models.vocab_parallel_logits(s.student, b["tokens"]), b["labels"], b["loss_mask"])
-        loss.backward()
-        return update(step, loss.detach())
+        return driver.lm_step(step - 1, batch())[0]["train/loss"]
 
     def phase(fn, n):
         cuda = st.device.type == "cuda"

@@ -22,11 +22,11 @@ import torch
 from hydra import compose, initialize_config_module
 
 import kdexp.config  # noqa: F401
-from kdexp import distributed, models
+from kdexp import distributed
 from kdexp.data import batches
 from kdexp.train import objectives
 from kdexp.train.loop import setup
-from kdexp.train.step import NonFiniteGuard, apply_update, reduce_and_clip, train_step
+from kdexp.train.step import StepDriver
 
 
 def main(argv=None) -> None:
@@ -42,38 +42,21 @@ def main(argv=None) -> None:
     kdexp.config.validate(cfg)
     st = distributed.initialize(tensor_parallel=cfg.parallel.tensor, seed=cfg.trainer.seed)
     t = cfg.trainer
-    s = setup(cfg)  # the trainer's own setup: same data, teacher (cache key), reseed, student and optimizer
-    student, teacher, opt, balancer, data = s.student, s.kd_teacher, s.optimizer, s.balancer, s.data
-    cached = s.cache is not None
+    s = setup(cfg)  # the trainer's own setup: same data, teacher (cache key), reseed, student, objective, optimizer
+    driver = StepDriver(s, cfg)  # the trainer's own step sequence
 
     def stream():  # the timed steps may outnumber the trainer's batches: start the stream over
         while True:  # (a cache holds the run's max_steps batches: start over after those)
-            yield from itertools.islice(batches(data.train_ds, micro_batch_size=t.micro_batch_size,
-                                                dp_rank=st.dp_rank, dp_size=st.dp_size),
-                                        t.max_steps if cached else None)
+            yield from itertools.islice(batches(s.data.train_ds, micro_batch_size=t.micro_batch_size,
+                                                dp_rank=st.dp_rank, dp_size=st.dp_size), t.max_steps)
 
     train_batches = stream()
 
-    guard = NonFiniteGuard(t.skip_nonfinite)
+    def kd_step(i, batch):
+        driver.step(i, batch)
 
-    def update(step, loss):  # what the trainer does after the backward pass (kdexp.train.loop.distill)
-        grad_norm = reduce_and_clip(student, opt, t.grad_clip)  # bf16 masters / megatron path alike
-        apply_update(opt, guard.check_step(step, loss, grad_norm))
-
-    def kd_step(step, batch):
-        opt.zero_grad(set_to_none=True)
-        parts = train_step(student, teacher, batch, balancer, cfg, needs_lm=balancer.needs_lm_loss)
-        update(step, parts["train/loss"])
-
-    def baseline_step(step, batch):
-        opt.zero_grad(set_to_none=True)
-        if not cached:
-            with torch.no_grad():
-                models.vocab_parallel_logits(teacher, batch["tokens"])
-        logits = models.vocab_parallel_logits(student, batch["tokens"])
-        loss = objectives.lm_loss(logits, batch["labels"], batch["loss_mask"])
-        loss.backward()
-        update(step, loss.detach())
+    def baseline_step(i, batch):  # the teacher's side (a forward; nothing for a cache) + the LM-only student step
+        driver.lm_step(i, batch, teacher=True)
 
     times = {"kd": [], "baseline": []}
     for i in range(args.warmup + args.steps):
@@ -83,7 +66,7 @@ def main(argv=None) -> None:
             if st.device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            fn(i + 1, batch)
+            fn(i, batch)
             if st.device.type == "cuda":
                 torch.cuda.synchronize()
             if i >= args.warmup:
@@ -91,15 +74,11 @@ def main(argv=None) -> None:
     kd, base = statistics.median(times["kd"]), statistics.median(times["baseline"])
     if st.rank == 0:
         tokens = t.micro_batch_size * t.seq_length
-        print(f"loss={cfg.loss.name} top_k={cfg.loss.top_k} top_p={cfg.loss.top_p} vocab={data.vocab_size} "
+        print(f"loss={cfg.loss.name} top_k={cfg.loss.top_k} top_p={cfg.loss.top_p} vocab={s.data.vocab_size} "
               f"tokens/step={tokens} device={st.device} steps={args.steps} teacher={cfg.teacher.name}")
         print(f"{'variant':<40} {'median ms':>10}")
-        if cached:
-            print(f"{'student fwd+bwd (LM only, no teacher)':<40} {1000 * base:>10.1f}")
-            print(f"{'KD train step from the teacher cache':<40} {1000 * kd:>10.1f}")
-        else:
-            print(f"{'teacher fwd + student fwd+bwd (LM)':<40} {1000 * base:>10.1f}")
-            print(f"{'KD train step (teacher, student, KD+LM)':<40} {1000 * kd:>10.1f}")
+        print(f"{s.objective.teacher.baseline_label:<40} {1000 * base:>10.1f}")
+        print(f"{s.objective.teacher.kd_label:<40} {1000 * kd:>10.1f}")
         print(f"KD overhead: {100 * (kd / base - 1):+.1f}%  (ratio {kd / base:.3f})")
 
 

@@ -56,6 +56,9 @@ class LossConfig(KDLossOptions, SampledKDOptions):
     top_k: Optional[int] = 1024
     # Hidden-state losses, e.g. [{student: 3, teacher: 11, kind: cosine}] (kdexp.losses.options.IntermediatePair).
     intermediate: List[IntermediatePair] = field(default_factory=list)
+    # The output layer fused into the objective (kdexp.losses.head): logits formed chunk by chunk from the final
+    # hidden states, never [tokens, vocab] at once; false: the models' whole logits (the reference path).
+    fused_head: bool = False
 
 
 @dataclass

@@ -53,6 +53,12 @@ class AlphaBalancer:
     def needs_lm_loss(self) -> bool:
         return self.alpha < 1.0
 
+    @property
+    def coefficients(self) -> tuple[float, float]:
+        """(w_kd, w_lm): total = w_kd * kd + w_lm * lm, fixed for the run (a fused head may then form its gradients
+        in the forward pass)."""
+        return self.alpha, 1.0 - self.alpha
+
     def __call__(self, lm_loss, kd_loss, intermediate=None):
         inter = mean_of(intermediate)
         kd_total = None

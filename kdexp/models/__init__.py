@@ -6,6 +6,7 @@ Trainer use::
     model = build(spec, params_dtype=torch.bfloat16)                    # random init, sharded for current TP
     model = load_hf("/ckpts/Qwen3-1.7B", params_dtype=torch.bfloat16)   # real weights, sharded for current TP
     shard = vocab_parallel_logits(model, tokens)                        # [b, s, V/tp] -> KD loss / LM loss
+    hidden, weight = final_hidden(model, tokens)                       # [s, b, h] after the final norm, [V/tp, h]
     full = forward_logits(model, tokens)                                # [b, s, V]
     save_hf(model, out_dir, spec)                                       # every rank calls; rank 0 writes
 
@@ -15,8 +16,8 @@ mask_padded_vocab (kdexp.models.vocab).
 
 import torch
 
-from kdexp.models.build import (build, capture_hidden, cast, check_tp, forward_logits, transformer_config,
-                                vocab_parallel_logits)
+from kdexp.models.build import (build, capture_hidden, cast, check_tp, final_hidden, forward_logits, output_weight,
+                                sequence_parallel, transformer_config, vocab_parallel_logits)
 from kdexp.models.hf import load_hf, read_config, save_hf
 from kdexp.models.spec import QWEN3_SIZES, Qwen3Spec, get_spec, spec_from_hf, spec_to_hf
 from kdexp.models.vocab import mask_padded_vocab, vocab_alignment
@@ -25,5 +26,6 @@ from kdexp.models.vocab import mask_padded_vocab, vocab_alignment
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 __all__ = ["DTYPES", "Qwen3Spec", "QWEN3_SIZES", "get_spec", "spec_from_hf", "spec_to_hf", "build", "capture_hidden",
-           "cast", "check_tp", "transformer_config", "forward_logits", "vocab_parallel_logits", "load_hf", "save_hf", "read_config",
-           "mask_padded_vocab", "vocab_alignment"]
+           "cast", "check_tp", "final_hidden", "output_weight", "sequence_parallel", "transformer_config",
+           "forward_logits", "vocab_parallel_logits", "load_hf", "save_hf", "read_config", "mask_padded_vocab",
+           "vocab_alignment"]

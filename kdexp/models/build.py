@@ -285,3 +285,39 @@ def capture_hidden(model, layers):
     finally:
         for h in handles:
             h.remove()
+
+
+def _gpt(model):
+    while hasattr(model, "module") and not hasattr(model, "decoder"):
+        model = model.module  # DDP / Float16Module wrappers
+    return model
+
+
+def sequence_parallel(model) -> bool:
+    """Whether the model's hidden states are sharded over the sequence (megatron's sequence parallelism)."""
+    return bool(getattr(_gpt(model).config, "sequence_parallel", False))
+
+
+def output_weight(model) -> torch.Tensor:
+    """The output layer's weight [V/tp, H]: the word embedding when tied (Qwen3-0.6B), else output_layer.weight."""
+    m = _gpt(model)
+    return m.shared_embedding_or_output_weight() if m.share_embeddings_and_output_weights else m.output_layer.weight
+
+
+def final_hidden(model, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hidden, weight): the final hidden states [s, b, h] (after the final norm, before the output layer;
+    [s/tp, b, h] under sequence parallelism) and the output weight, for a caller that forms the logits itself
+    (kdexp.losses.head). The model runs through its wrappers as for vocab_parallel_logits; only GPTModel's
+    post-processing (the output layer) is switched off for this call, as megatron does for a pipeline stage
+    without post_process."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+    m = _gpt(model)
+    if m.config.mtp_num_layers:
+        raise ValueError("final_hidden: multi-token prediction layers are not supported")
+    m.post_process = False
+    try:
+        hidden = model(input_ids, _positions(input_ids), _causal_mask(input_ids.shape[1], input_ids.device))
+    finally:
+        m.post_process = True
+    return hidden, output_weight(model)

@@ -194,12 +194,37 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
                                  cache_record=None if layout is None else layout.decoded_bytes_per_token(),
                                  held=top_k is not None and holds_gradient(top_p, tp, logits_dtype))
     shape = f"[{tokens}, {vocab}]"
-    notes = {"teacher logits": f"{shape} {dt}", "student logits": f"{shape} {dt}",
-             "teacher cache record": None if layout is None else
-             f"{layout.describe()} per token, as read (fp32 values, int64 ids); teacher weights kept for eval",
-             "LM loss fp32 softmax": f"{shape} fp32", "KD loss saved values": f"top_k={top_k} top_p={top_p}",
-             "logit gradients": "KD" + (" + LM" if needs_lm else " (LM fused)" if fused else ""), "KD loss chunk buffer": "fp32, one chunk of tokens"}
-    p.items += [(k, v, notes[k]) for k, v in logits.items() if v]
+    if getattr(cfg.loss, "fused_head", False):  # the logits exist one chunk of tokens at a time
+        from kdexp.losses.head import head_chunk_rows
+
+        rows = head_chunk_rows(tokens, vocab, logits_dtype)
+        chunk = sizing.logits_bytes(rows, vocab, e, needs_lm=needs_lm, kd_saved=kd_saved,
+                                    chunk_rows=min(rows, _chunk_rows(rows, vocab)),
+                                    kept=0 if top_k is None and top_p is None else (top_k or TOP_P_INITIAL_K),
+                                    cut=top_p is not None, held=top_k is not None and holds_gradient(top_p, tp,
+                                                                                                   logits_dtype))
+        if layout is not None:  # a cache record's rows are views of the batch's record
+            chunk.pop("teacher logits")
+        online_sampled = layout is None and SampledKDOptions.from_config(cfg.loss).enabled
+        logits = sizing.fused_head_bytes(tokens, vocab, student.hidden_size, teacher.hidden_size, e,
+                                         chunk_rows=rows, chunk=chunk,
+                                         cache_record=None if layout is None else layout.decoded_bytes_per_token(),
+                                         teacher_logits_whole=online_sampled)
+        notes = {"teacher hidden states": f"[{tokens}, {teacher.hidden_size}] {dt}",
+                 "teacher cache record": None if layout is None else
+                 f"{layout.describe()} per token, as read (fp32 values, int64 ids); teacher weights kept for eval",
+                 "teacher logits (sampled draws)": f"{shape} {dt}, no grad, before the student's head",
+                 "head hidden states": f"[{tokens}, {student.hidden_size}] {dt}",
+                 "head gradients": f"hidden states {dt} + output weight [{vocab}, {student.hidden_size}] fp32",
+                 "head chunk working set": f"{rows} tokens: logits, gradients, loss buffers"}
+        p.items += [(k, v, notes[k]) for k, v in logits.items() if v]
+    else:
+        notes = {"teacher logits": f"{shape} {dt}", "student logits": f"{shape} {dt}",
+                 "teacher cache record": None if layout is None else
+                 f"{layout.describe()} per token, as read (fp32 values, int64 ids); teacher weights kept for eval",
+                 "LM loss fp32 softmax": f"{shape} fp32", "KD loss saved values": f"top_k={top_k} top_p={top_p}",
+                 "logit gradients": "KD" + (" + LM" if needs_lm else " (LM fused)" if fused else ""), "KD loss chunk buffer": "fp32, one chunk of tokens"}
+        p.items += [(k, v, notes[k]) for k, v in logits.items() if v]
     # The teacher's no-grad forward runs before the student's: its one-layer transient (megatron's attention: scores,
     # softmax and copy; sdpa's kernels hold no [s, s] tensor; the MLP's fc1 output and products) counts only if larger
     # than the student's logit and activation parts.
@@ -208,11 +233,12 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     teacher_layer = tokens * max(scores_t, 5 * e * teacher.intermediate_size / tp)
     static = ("teacher weights", "student weights", "student gradients", "optimizer state", "attention score buffer")
     student_phase = sum(v for k, v, _ in p.items if k not in static)
-    teacher_phase = 0 if layout is not None else logits["teacher logits"] + teacher_layer
+    # (what the teacher's side keeps: its logits, or with the fused head its final hidden states)
+    teacher_kept = [it for it in p.items if it[0] in ("teacher logits", "teacher hidden states")]
+    teacher_phase = 0 if layout is not None else sum(v for _, v, _ in teacher_kept) + teacher_layer
     if teacher_phase > student_phase:
-        p.items = [it for it in p.items if it[0] in static]
-        p.items += [("teacher logits", logits["teacher logits"], f"{shape} {dt}"),
-                    ("teacher forward layer", teacher_layer, "no-grad transient of one layer: the peak")]
+        p.items = [it for it in p.items if it[0] in static] + teacher_kept
+        p.items += [("teacher forward layer", teacher_layer, "no-grad transient of one layer: the peak")]
     p.peak = sum(v for _, v, _ in p.items)
     p.reserve = RESERVE_GIB * GiB + FRAGMENTATION * p.peak
 

@@ -23,21 +23,11 @@ from kdexp.config.checks import accumulation_steps
 from kdexp.data import batches, prepare
 from kdexp.track import faults
 from kdexp.track.metrics import IntervalMeter, MetricsFile, Progress, console_line, eval_line
-from kdexp.train import checkpoint, megatron_optim, objectives, optim, signals
-from kdexp.train.step import (NonFiniteGuard, apply_update, evaluate, optimizer_tensors, reduce_and_clip,
-                              train_step)
+from kdexp.train import checkpoint, megatron_optim, objective, objectives, optim, signals
+from kdexp.train.step import NonFiniteGuard, StepDriver, evaluate, optimizer_tensors
 from kdexp.train.teacher import get_teacher
 
 log = logging.getLogger("kdexp")
-
-# Called as hook(step) after each step's eval and checkpoint (step is 1-based, as logged). For tools and tests, e.g.
-# the resume test's wrapper script kills the process at a step like a preempted node.
-STEP_END_HOOKS: list[Callable[[int], None]] = []
-
-
-def add_step_end_hook(hook: Callable[[int], None]) -> Callable[[int], None]:
-    STEP_END_HOOKS.append(hook)
-    return hook
 
 
 def student_dtype(cfg) -> torch.dtype:
@@ -65,14 +55,9 @@ class Setup:
     student: torch.nn.Module
     optimizer: torch.optim.Optimizer
     balancer: Any
+    objective: Any = None  # kdexp.train.objective.Objective: the KD loss, its teacher source, the output layer
     accumulation: int = 1  # micro-batches per optimizer step on each rank
     global_batch: int = 1  # samples per optimizer step over all DP ranks
-    cache: Any = None  # teacher=cached: the kdexp.teacher.TeacherCache the KD loss reads (eval uses `teacher`)
-
-    @property
-    def kd_teacher(self):
-        """What the train step distils from: the cache when there is one, else the teacher model."""
-        return self.teacher if self.cache is None else self.cache
 
 
 def micro_batches(stream, accumulation: int, micro_batch_size: int, device) -> list[dict]:
@@ -94,8 +79,10 @@ def data_stream(ds, cfg, setup_: "Setup", start_step: int = 0):
                    dp_size=st.dp_size, start_sample=start_step * setup_.global_batch)
 
 
-def setup(cfg) -> Setup:
-    """Data, the frozen teacher, then (reseeded) the student, its optimizer and the balancer."""
+def setup(cfg, *, make_teacher: Callable = get_teacher) -> Setup:
+    """Data, the frozen teacher, the objective's teacher source (a cache is built here), then (reseeded) the
+    student, its optimizer, the balancer and the objective. `make_teacher(cfg, data)` -> the frozen teacher model:
+    the seam for a benchmark's randomly initialised teacher at real shapes (kdexp.bench.gpu_scale)."""
     st = distributed.state()
     t = cfg.trainer
     accumulation = accumulation_steps(t.global_batch_size, t.micro_batch_size, st.dp_size)
@@ -106,14 +93,12 @@ def setup(cfg) -> Setup:
                                      cfg.model.teacher_pretrain_steps * t.micro_batch_size * st.dp_size),
                    val_samples=t.eval_iters * global_batch,
                    tokenizer_path=assets.tokenizer_source(cfg)[1])
-    teacher = get_teacher(cfg, data)
+    teacher = make_teacher(cfg, data)
     if t.precision == "bf16" and next(teacher.parameters()).dtype != torch.bfloat16:
         teacher = models.cast(teacher, torch.bfloat16)  # frozen: no grads, no optimizer state, half the memory
-    cache = None
-    if cfg.teacher.name == "cached":  # one teacher pass into the cache (skipped when it exists), before the student
-        from kdexp.teacher.writer import ensure
-
-        cache = ensure(cfg, data, teacher)
+    balancer = objectives.build_balancer(cfg.balancer)
+    # Before the student: a cached teacher's one pass into the cache runs here (skipped when the cache exists).
+    kd = objective.build(cfg, data, teacher, balancer)
     distributed.reseed(t.seed)  # the student's init must not depend on whether the teacher was just trained
     student = build_student(cfg, data.vocab_size)
     objectives.attach_intermediate(student, cfg.loss, teacher.kdexp_spec.hidden_size)  # before its optimizer
@@ -125,9 +110,8 @@ def setup(cfg) -> Setup:
         # megatron's optimizer does on the CUDA path
         opt = optim.make_optimizer(student, lr=t.lr, weight_decay=t.weight_decay,
                                    master_weights=student_dtype(cfg) != torch.float32)
-    balancer = objectives.build_balancer(cfg.balancer)
-    return Setup(data=data, teacher=teacher, student=student, optimizer=opt, balancer=balancer,
-                 accumulation=accumulation, global_batch=global_batch, cache=cache)
+    return Setup(data=data, teacher=teacher, student=student, optimizer=opt, balancer=balancer, objective=kd,
+                 accumulation=accumulation, global_batch=global_batch)
 
 
 def _final(last_train: dict, last_eval: dict) -> dict:
@@ -135,17 +119,16 @@ def _final(last_train: dict, last_eval: dict) -> dict:
 
 
 def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path] = None,
-            wandb_logger=None) -> tuple[dict, torch.nn.Module]:
+            wandb_logger=None, make_teacher: Callable = get_teacher) -> tuple[dict, torch.nn.Module]:
     """Train the student; returns (final metrics, the student). Raises kdexp.train.Diverged on a non-finite step.
 
-    Checkpoints of another config are not resumed."""
+    Checkpoints of another config are not resumed. `make_teacher`: as in `setup`."""
     st = distributed.state()
     t = cfg.trainer
     rank0 = st.rank == 0
-    s = setup(cfg)
+    s = setup(cfg, make_teacher=make_teacher)
     global_batch = s.global_batch
-    student, teacher, opt = s.student, s.teacher, s.optimizer
-    needs_lm = s.balancer.needs_lm_loss
+    student, opt = s.student, s.optimizer
     meter = IntervalMeter()
     last_train: dict[str, float] = {}
     last_eval: dict[str, float] = {}
@@ -157,6 +140,7 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
         source = Path(resume_from) if state is not None else None
     start, saved = 0, None  # saved: the newest checkpoint step in this run dir
     guard = NonFiniteGuard(t.skip_nonfinite)
+    driver = StepDriver(s, cfg, guard)
     if state is not None:
         student.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -210,13 +194,7 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
             batch = micro_batches(stream, s.accumulation, t.micro_batch_size, st.device)
             lr = optim.lr_at(step, lr=t.lr, min_lr=t.min_lr, warmup=t.warmup_steps, total=t.max_steps)
             optim.set_lr(opt, lr)
-            opt.zero_grad(set_to_none=True)
-            parts = train_step(student, s.kd_teacher, batch, s.balancer, cfg, needs_lm, step=step,
-                               micro_context=getattr(opt, "micro_context", None))
-            parts["train/grad_norm"] = reduce_and_clip(student, opt, t.grad_clip)
-            finite = guard.check_step(done, parts["train/loss"], parts["train/grad_norm"],
-                                      metrics=_final(last_train, last_eval), checkpoint=saved)
-            apply_update(opt, finite)
+            parts, finite = driver.step(step, batch, metrics=_final(last_train, last_eval), checkpoint=saved)
             if finite:
                 meter.add(parts)
             interval_steps += 1
@@ -236,7 +214,7 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
                              f"(non-finite; {guard.skipped} skipped in all)")
                 emit({"step": done, "kind": "train", **record})
             if done % t.eval_interval == 0 or done == t.max_steps:
-                values = evaluate(student, teacher, val_batches)
+                values = evaluate(student, s.objective, val_batches)
                 guard.check_values(done, values, "eval metrics", metrics=_final(last_train, last_eval),
                                    checkpoint=saved)
                 last_eval = values
@@ -245,8 +223,6 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
                 emit({"step": done, "kind": "val", **last_eval})
             if done % t.checkpoint_interval == 0 or done == t.max_steps:
                 saved = save(done)
-            for hook in STEP_END_HOOKS:
-                hook(done)
             faults.raise_pending()  # run.log could not be written (a full disk): stop like any other write
             signum = preemption.agreed(st.device) if done < t.max_steps else 0  # at the last step: just finish
             if signum:

@@ -22,44 +22,19 @@ from kdexp.train.errors import Diverged
 log = logging.getLogger("kdexp")
 
 
-def _micro_step(student, teacher, batch, balancer, cfg, needs_lm: bool, denom, seed: int) -> dict[str, torch.Tensor]:
-    """One micro-batch: forward both models (or read the teacher's records of the batch's samples when `teacher`
-    is an offline teacher cache, kdexp.teacher.TeacherCache), the balanced loss, backward. `seed` seeds sampled
-    KD's draws."""
-    cached = getattr(teacher, "is_teacher_cache", False)
-    s_layers, t_layers = objectives.intermediate_layers(cfg.loss)  # none with a cache (config.validate refuses)
-    if not cached:
-        with torch.no_grad(), models.capture_hidden(teacher, t_layers) as t_hidden:
-            t_logits = models.vocab_parallel_logits(teacher, batch["tokens"])
-    with models.capture_hidden(student, s_layers) as s_hidden:
-        s_logits = models.vocab_parallel_logits(student, batch["tokens"])
-    mask = batch["loss_mask"]
-    # The LM loss from the KD loss's own pass over the vocabulary where it can (objectives.fuses_lm), else its own.
-    fused = {"labels": batch["labels"]} if objectives.fuses_lm(cfg.loss) else {}
-    if cached:
-        kd, stats, *lm_fused = objectives.cached_kd_loss(s_logits, teacher, batch["sample_index"], mask, cfg.loss,
-                                                         denom, **fused)
-    else:
-        kd, stats, *lm_fused = objectives.kd_loss(s_logits, t_logits, mask, cfg.loss, denom, seed=seed, **fused)
-    inter = objectives.intermediate_loss(student, cfg.loss, s_hidden, t_hidden, mask, denom) if s_layers else None
-    if inter is not None:
-        stats["intermediate_loss"] = inter
-    if lm_fused:  # alpha == 1: out of the total (its gradient is then zero), logged all the same
-        lm_logged = lm_fused[0]
-        lm = lm_logged if needs_lm else None
-    elif needs_lm:
-        lm = objectives.lm_loss(s_logits, batch["labels"], mask, denom)
-    else:  # alpha == 1: the LM loss stays out of the graph; logged from a detached copy
-        with torch.no_grad():
-            lm_logged = objectives.lm_loss(s_logits.detach(), batch["labels"], mask, denom)
-        lm = None
-    total, _ = balancer(lm, kd, inter)  # the intermediate loss joins the KD term rescaled to |kd|
+def _micro_step(student, objective, batch, balancer, needs_lm: bool, denom, seed: int) -> dict[str, torch.Tensor]:
+    """One micro-batch: the teacher's side (a forward, or a cache record), the student's forward, the objective, the
+    balanced loss, backward. `seed` seeds sampled KD's draws."""
+    t_out = objective.teacher(batch)
+    s_out = objective.student(student, batch)
+    r = objective(s_out, t_out, batch, denom, seed=seed, needs_lm=needs_lm)
+    total, _ = balancer(r.lm, r.kd, r.intermediate)  # the intermediate loss joins the KD term rescaled to |kd|
     total.backward()
-    return {"train/loss": total.detach(), "train/lm_loss": (lm if lm is not None else lm_logged).detach(),
-            "train/kd_loss": kd.detach(), **{f"train/{k}": v.detach() for k, v in stats.items()}}
+    return {"train/loss": total.detach(), "train/lm_loss": r.lm_logged, "train/kd_loss": r.kd.detach(),
+            **{f"train/{k}": v.detach() for k, v in r.stats.items()}}
 
 
-def train_step(student, teacher, micro_batches, balancer, cfg, needs_lm: bool, step: int = 0,
+def train_step(student, objective, micro_batches, balancer, cfg, needs_lm: bool, step: int = 0,
                micro_context=None) -> dict[str, torch.Tensor]:
     """Forward both models, the balanced loss and backward for each micro-batch of one global batch (gradients
     accumulate in .grad); the detached parts of the global batch for logging (no host sync).
@@ -78,7 +53,7 @@ def train_step(student, teacher, micro_batches, balancer, cfg, needs_lm: bool, s
     parts: dict[str, torch.Tensor] = {}
     for i, batch in enumerate(micro_batches):
         with micro_context(i, len(micro_batches)) if micro_context else contextlib.nullcontext():
-            micro = _micro_step(student, teacher, batch, balancer, cfg, needs_lm, denom,
+            micro = _micro_step(student, objective, batch, balancer, needs_lm, denom,
                                 objectives.sampling_seed(cfg, step, i))
         for key, value in micro.items():
             parts[key] = parts[key] + value if key in parts else value
@@ -91,11 +66,12 @@ def train_step(student, teacher, micro_batches, balancer, cfg, needs_lm: bool, s
 
 
 @torch.no_grad()
-def evaluate(student, teacher, val_batches: list) -> dict[str, float]:
+def evaluate(student, objective, val_batches: list) -> dict[str, float]:
     """val/lm_loss, val/kl_to_teacher (full-vocabulary forward KL, T=1), val/top1_agreement; averaged over DP.
 
     Each item of `val_batches` is one eval iteration: a micro-batch, or a list of the micro-batches of this rank's
-    share of one global batch (token-normalised over that share, as in training)."""
+    share of one global batch (token-normalised over that share, as in training). Always against the teacher model
+    (also when training reads a cache), formed chunk by chunk when the objective fuses the head."""
     st = distributed.state()
     student.eval()
     sums = torch.zeros(3, device=st.device)
@@ -103,12 +79,7 @@ def evaluate(student, teacher, val_batches: list) -> dict[str, float]:
         micros = [item] if isinstance(item, dict) else item
         denom = objectives.token_share(micros)
         for batch in micros:
-            t_logits = models.vocab_parallel_logits(teacher, batch["tokens"])
-            s_logits = models.vocab_parallel_logits(student, batch["tokens"])
-            mask = batch["loss_mask"]
-            sums += torch.stack([objectives.full_kl(s_logits, t_logits, mask, denom),
-                                 objectives.top1_agreement(s_logits, t_logits, mask, denom),
-                                 objectives.lm_loss(s_logits, batch["labels"], mask, denom)])
+            sums += objective.evaluate(student, batch, denom)
     student.train()
     if st.dp_size > 1:
         dist.all_reduce(sums, group=distributed.dp_group())
@@ -209,3 +180,41 @@ def apply_update(opt: torch.optim.Optimizer, apply: bool) -> None:
         opt.step()
     else:
         opt.zero_grad(set_to_none=True)
+
+
+class StepDriver:
+    """The one optimizer-step sequence, for the trainer and the benchmarks alike: zero the gradients, the global
+    batch's forward/backward (train_step), the DP reduction and clipping, the non-finite guard's one host read, the
+    update (or a skipped step). `lm_step` is the same sequence for the LM-only student (the benchmarks' baseline)."""
+
+    def __init__(self, s, cfg, guard: Optional[NonFiniteGuard] = None):
+        self.s, self.cfg = s, cfg
+        self.guard = guard if guard is not None else NonFiniteGuard(cfg.trainer.skip_nonfinite)
+
+    def _finish(self, done: int, parts: dict, metrics=None, checkpoint=None) -> tuple[dict, bool]:
+        s = self.s
+        parts["train/grad_norm"] = reduce_and_clip(s.student, s.optimizer, self.cfg.trainer.grad_clip)
+        finite = self.guard.check_step(done, parts["train/loss"], parts["train/grad_norm"], metrics=metrics,
+                                       checkpoint=checkpoint)
+        apply_update(s.optimizer, finite)
+        return parts, finite
+
+    def step(self, step: int, micro_batches, *, metrics=None, checkpoint=None) -> tuple[dict, bool]:
+        """Training step `step` (0-based): (the logged parts, whether the update was applied)."""
+        s = self.s
+        s.optimizer.zero_grad(set_to_none=True)
+        parts = train_step(s.student, s.objective, micro_batches, s.balancer, self.cfg, s.balancer.needs_lm_loss,
+                           step=step, micro_context=getattr(s.optimizer, "micro_context", None))
+        return self._finish(step + 1, parts, metrics, checkpoint)
+
+    def lm_step(self, step: int, batch: dict, *, teacher: bool = False) -> tuple[dict, bool]:
+        """The student alone with the LM loss: what training without distillation costs; with `teacher` the
+        teacher's side of the batch first (its forward, or nothing to run for a cache): what any distillation pays."""
+        s = self.s
+        s.optimizer.zero_grad(set_to_none=True)
+        if teacher:
+            s.objective.teacher(batch)
+        loss = objectives.lm_loss(models.vocab_parallel_logits(s.student, batch["tokens"]), batch["labels"],
+                                  batch["loss_mask"])
+        loss.backward()
+        return self._finish(step + 1, {"train/loss": loss.detach()})

@@ -1,0 +1,398 @@
+"""The KD objective: built once from the loss and teacher config through one registry, called the same way by the
+train step, evaluation and the benchmarks.
+
+Two tables hold every choice; nothing outside this module branches on the loss or the teacher kind:
+
+- ``TEACHERS``: teacher.name -> where the teacher's side of a batch comes from: "online" (the frozen teacher model
+  runs on the batch) or "cached" (the records of an offline teacher cache, kdexp.teacher, built at setup).
+- ``LOSSES``: (family, teacher.name) -> a factory called once with the parsed options, returning a ``KDTerm``:
+  ``prepare(teacher_out, seed)`` (the teacher's side of the whole batch: a cache record, the draws) and
+  ``chunk(z, side, rows, labels)``, the per-token loss of one chunk of student logits ``z`` [c, V/tp] covering the
+  token ``rows``. The family is loss.name's entry of ``FAMILIES`` ("logit" for the shipped logit losses, "sampled"
+  whenever loss.samples is set); a new loss registers its name with ``register_loss`` (docs/extending.md).
+
+The objective owns the output layer: with ``loss.fused_head`` the student's final hidden states and output weight go
+to kdexp.losses.head.fused_head_loss, which forms the logits chunk by chunk (never [tokens, vocab] at once) and the
+online teacher's chunk logits are formed the same way from its own hidden states and weight, under no_grad. Without
+it (the reference path) the models' vocab-parallel logits are formed whole and the same ``chunk`` runs once over all
+tokens. Token normalisation as Megatron's: per-token values weighed by loss_mask / denom (kdexp.train.objectives).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from kdexp import distributed, models
+from kdexp.losses import KDLossOptions, SampledKDOptions
+# A term's chunk result: per-token kd [c], lm [c] (None: the objective adds the cross-entropy), stats name -> [c]
+# (logged as train/<name>); the fused head's own type.
+from kdexp.losses.head import ChunkLoss, fused_head_loss, head_chunk_rows, teacher_head_logits
+from kdexp.train import objectives
+
+
+class ObjectiveResult(NamedTuple):
+    """The student side of one micro-batch: token-normalised scalars. lm is None when the balancer does not need
+    it (it is then in `lm_logged`, detached); intermediate is the hidden-state loss (None without loss.intermediate)."""
+
+    kd: torch.Tensor
+    lm: Optional[torch.Tensor]
+    lm_logged: torch.Tensor
+    intermediate: Optional[torch.Tensor]
+    stats: dict
+
+
+@dataclasses.dataclass
+class ModelOut:
+    """One model's output for the objective: `logits` [b, s, V/tp] on the reference path, or the final hidden states
+    `hidden` [b*s, H] (tokens in the labels' order, TP region applied) and the output weight [V/tp, H]; `layers` the
+    decoder outputs the hidden-state losses read; `sample_index` (a cached teacher) the cache keys."""
+
+    logits: Optional[torch.Tensor] = None
+    hidden: Optional[torch.Tensor] = None
+    weight: Optional[torch.Tensor] = None
+    layers: dict = dataclasses.field(default_factory=dict)
+    sample_index: Any = None
+    model: Any = None  # the student (its hidden-state loss modules are attached to it)
+
+    @property
+    def tokens(self) -> int:
+        return self.hidden.shape[0] if self.hidden is not None else self.logits[..., 0].numel()
+
+    def chunk_logits(self, rows: slice) -> torch.Tensor:
+        """This rank's vocabulary shard of the logits of token `rows` [c, V/tp] (no grad for a teacher)."""
+        if self.logits is not None:
+            return self.logits.reshape(-1, self.logits.shape[-1])[rows]
+        return teacher_head_logits(self.hidden, self.weight, rows)
+
+
+def forward(model, tokens: torch.Tensor, *, fused: bool, layers=()) -> ModelOut:
+    """A model's forward for the objective: its final hidden states + output weight (fused) or its logits."""
+    with models.capture_hidden(model, layers) as captured:
+        if not fused:
+            return ModelOut(logits=models.vocab_parallel_logits(model, tokens), layers=captured)
+        hidden, weight = models.final_hidden(model, tokens)
+    return ModelOut(hidden=_head_input(model, hidden), weight=weight, layers=captured)
+
+
+def _head_input(model, hidden: torch.Tensor) -> torch.Tensor:
+    """[s(/tp), b, h] -> [b*s, h] for the head: the region megatron's ColumnParallelLinear output layer applies first
+    (its input gathered over the sequence under sequence parallelism, else identity forward / all-reduce backward)."""
+    if distributed.state().tp_size > 1:
+        from megatron.core import tensor_parallel
+
+        if models.sequence_parallel(model):
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+        else:
+            hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
+    return hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])
+
+
+# ----------------------------------------------------------------------------------------------------- teachers
+
+class OnlineTeacher:
+    """The frozen teacher model runs on every batch (no grad); its hidden states feed the hidden-state losses."""
+
+    hidden_states = True
+    # kdexp.bench.step's rows: what the baseline pays for the teacher, and the KD step
+    baseline_label, kd_label = "teacher fwd + student fwd+bwd (LM)", "KD train step (teacher, student, KD+LM)"
+
+    def __init__(self, model, *, fused: bool, layers=()):
+        self.model, self.fused, self.layers = model, fused, list(layers)
+
+    @torch.no_grad()
+    def __call__(self, batch: dict) -> ModelOut:
+        return forward(self.model, batch["tokens"], fused=self.fused, layers=self.layers)
+
+
+class CachedTeacher:
+    """The teacher's records of the batch's samples, read from an offline cache (kdexp.teacher.TeacherCache)."""
+
+    hidden_states = False
+    baseline_label, kd_label = "student fwd+bwd (LM only, no teacher)", "KD train step from the teacher cache"
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def __call__(self, batch: dict) -> ModelOut:
+        return ModelOut(sample_index=batch["sample_index"])
+
+
+def _online(cfg, data, model, *, fused: bool, layers=()):
+    return OnlineTeacher(model, fused=fused, layers=layers)
+
+
+def _cached(cfg, data, model, *, fused: bool, layers=()):
+    from kdexp.teacher.writer import ensure
+
+    return CachedTeacher(ensure(cfg, data, model))  # one teacher pass into the cache (skipped when it exists)
+
+
+TEACHERS: dict[str, Callable] = {"online": _online, "cached": _cached}
+
+
+# ------------------------------------------------------------------------------------------------------- losses
+
+def _logit_stats(stats) -> dict:
+    return {"kept_mass": stats.teacher_kept_mass, "ghost_mass": stats.student_residual_mass,
+            "nucleus_size": stats.nucleus_size.float()}
+
+
+def _split(out, labels):
+    return out if labels is not None else (out, None)
+
+
+class LogitTerm:
+    """The logit KD loss (dense, Top-K, Top-P, ghost, renormalised; kdexp.losses.logits_kd_loss) on the online
+    teacher's chunk logits."""
+
+    def __init__(self, opts: KDLossOptions):
+        self.kw = opts.kwargs()
+        self.fuses_lm = opts.fuses_lm()  # the LM loss from the same pass over the vocabulary (labels=)
+
+    def prepare(self, teacher: ModelOut, seed: int, device) -> ModelOut:
+        return teacher
+
+    def chunk(self, z, side: ModelOut, rows: slice, labels) -> ChunkLoss:
+        from kdexp.losses import logits_kd_loss
+
+        out, stats = logits_kd_loss(z, side.chunk_logits(rows), tp_group=distributed.tp_group(), return_stats=True,
+                                    labels=labels, **self.kw)
+        return ChunkLoss(*_split(out, labels), _logit_stats(stats))
+
+
+class CachedLogitTerm(LogitTerm):
+    """The same loss from a cache's top-K_max record (kdexp.losses.cached_kd_loss)."""
+
+    def __init__(self, opts: KDLossOptions, cache):
+        super().__init__(opts)
+        self.cache, self.temperature = cache, opts.temperature
+
+    def prepare(self, teacher: ModelOut, seed: int, device):
+        record = self.cache.read(teacher.sample_index, self.temperature, device=device)
+        return [x.flatten(0, 1) for x in record]  # [b, s, ...] -> [n, ...]
+
+    def chunk(self, z, side, rows: slice, labels) -> ChunkLoss:
+        from kdexp.losses import cached_kd_loss
+
+        out, stats = cached_kd_loss(z, *(x[rows] for x in side), tp_group=distributed.tp_group(),
+                                    return_stats=True, labels=labels, **self.kw)
+        return ChunkLoss(*_split(out, labels), _logit_stats(stats))
+
+
+class SampledTerm:
+    """Sampled KD (kdexp.losses.sampled) on draws from the online teacher's logits, seeded per micro-batch."""
+
+    def __init__(self, opts: KDLossOptions, sampled: SampledKDOptions):
+        self.opts, self.sampled = opts, sampled
+        self.fuses_lm = opts.fuses_lm(sampled=True)
+
+    def draws(self, teacher: ModelOut, seed: int, device):
+        from kdexp.losses import sample_teacher
+
+        s = self.sampled
+        return sample_teacher(teacher.chunk_logits(slice(0, teacher.tokens)), samples=s.samples,
+                              proposal_temperature=s.proposal_temperature, temperature=self.opts.temperature,
+                              seed=seed, normalize=s.normalize_weights, tp_group=distributed.tp_group())
+
+    def prepare(self, teacher: ModelOut, seed: int, device):
+        from kdexp.losses.sampled import unique_mass
+
+        draw = self.draws(teacher, seed, device)
+        mass, distinct = unique_mass(draw)
+        return draw, {"kept_mass": mass, "nucleus_size": distinct.float()}
+
+    def chunk(self, z, side, rows: slice, labels) -> ChunkLoss:
+        from kdexp.losses import sampled_kd_loss
+
+        draw, stats = side
+        out = sampled_kd_loss(z, draw.ids[rows], draw.weights[rows], draw.teacher_logprobs[rows],
+                              temperature=self.opts.temperature,
+                              scale_by_temperature_squared=self.opts.scale_by_temperature_squared,
+                              tp_group=distributed.tp_group(), labels=labels)
+        return ChunkLoss(*_split(out, labels), {k: v[rows] for k, v in stats.items()})
+
+
+class CachedSampledTerm(SampledTerm):
+    """Sampled KD on the draws stored in a cache's "sampled" record, weighed at the loss temperature."""
+
+    def __init__(self, opts, sampled, cache):
+        super().__init__(opts, sampled)
+        self.cache = cache
+
+    def draws(self, teacher: ModelOut, seed: int, device):
+        from kdexp.losses import weigh
+
+        draws = self.cache.read(teacher.sample_index, self.opts.temperature, device=device)
+        draw = weigh(draws, temperature=self.opts.temperature,
+                     proposal_temperature=self.cache.layout.proposal_temperature,
+                     normalize=self.sampled.normalize_weights)
+        return type(draw)(*(x.flatten(0, 1) for x in draw))
+
+
+def _check_record(cache, want: str, sampled: SampledKDOptions):
+    if cache.layout.record != want:  # the cache key follows the config: only a caller's mix-up
+        raise ValueError(f"loss.samples={sampled.samples!r} cannot be served by the teacher cache {cache.path}: it "
+                         f"holds {cache.layout.record!r} records")
+    return cache
+
+
+# (family, teacher kind) -> factory(loss_cfg, teacher source) -> KDTerm; options parsed here, once.
+LOSSES: dict[tuple[str, str], Callable] = {
+    ("logit", "online"): lambda c, t: LogitTerm(KDLossOptions.from_config(c)),
+    ("logit", "cached"): lambda c, t: CachedLogitTerm(
+        KDLossOptions.from_config(c), _check_record(t.cache, "topk", SampledKDOptions.from_config(c))),
+    ("sampled", "online"): lambda c, t: SampledTerm(KDLossOptions.from_config(c), SampledKDOptions.from_config(c)),
+    ("sampled", "cached"): lambda c, t: CachedSampledTerm(
+        KDLossOptions.from_config(c), SampledKDOptions.from_config(c),
+        _check_record(t.cache, "sampled", SampledKDOptions.from_config(c))),
+}
+# loss.name -> family: the shipped conf/loss options are all logit losses (sampled whenever loss.samples is set).
+FAMILIES: dict[str, str] = {"dense": "logit", "topk": "logit", "top_p": "logit", "renorm_topk": "logit",
+                            "sampled": "logit"}
+
+
+def register_loss(name: str, factory: Callable, teachers=("online",)) -> None:
+    """Register a loss: conf/loss/<name>.yaml sets `name: <name>`; `factory(loss_cfg, teacher_source)` returns its
+    KDTerm (prepare / chunk, see LogitTerm). `teachers`: the teacher kinds it serves."""
+    FAMILIES[name] = name
+    for kind in teachers:
+        LOSSES[(name, kind)] = factory
+
+
+def family(loss_cfg) -> str:
+    if SampledKDOptions.from_config(loss_cfg).enabled:
+        return "sampled"
+    if loss_cfg.name not in FAMILIES:
+        raise ValueError(f"loss.name={loss_cfg.name!r} is invalid: must be a registered loss, one of "
+                         f"{', '.join(sorted(FAMILIES))} (kdexp.train.objective.register_loss)")
+    return FAMILIES[loss_cfg.name]
+
+
+# ---------------------------------------------------------------------------------------------------- objective
+
+def _cross_entropy(z: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Megatron's vocab-parallel next-token cross-entropy per token (it works in place: never on the caller's z)."""
+    from megatron.core import tensor_parallel
+
+    x = z.float()
+    if x is z:
+        x = z.clone()
+    return tensor_parallel.vocab_parallel_cross_entropy(x, labels)
+
+
+class Objective:
+    """Built once by `build`; per micro-batch: `teacher(batch)`, `student(model, batch)`, then
+    `__call__(student_out, teacher_out, batch, denom, seed, needs_lm)` -> ObjectiveResult."""
+
+    def __init__(self, loss_cfg, teacher_source, term, *, fused: bool, fuses_lm: bool, coefficients=None,
+                 eval_teacher=None, student_layers=(), pairs=()):
+        self.loss_cfg, self.teacher, self.term = loss_cfg, teacher_source, term
+        self.fused, self.fuses_lm, self.coefficients = fused, fuses_lm, coefficients
+        self.eval_teacher = eval_teacher
+        self.student_layers, self.pairs = list(student_layers), list(pairs)
+
+    def student(self, model, batch: dict) -> ModelOut:
+        out = forward(model, batch["tokens"], fused=self.fused, layers=self.student_layers)
+        out.model = model
+        return out
+
+    def _apply(self, loss_fn, out: ModelOut, mask, denom, coefficients=None) -> tuple:
+        """(kd, lm, stats) token-normalised: through the fused head, or `loss_fn` once over the whole logits."""
+        if self.fused:
+            r = fused_head_loss(out.hidden, out.weight, loss_fn, token_weight=mask / denom,
+                                coefficients=coefficients, tp_group=distributed.tp_group())
+            return r.kd, r.lm, dict(r.stats)
+        n = out.tokens
+        c = loss_fn(out.logits.reshape(n, -1), slice(0, n))
+        mean = objectives.masked_mean
+        return (mean(c.kd, mask, denom), None if c.lm is None else mean(c.lm, mask, denom),
+                {k: mean(v, mask, denom) for k, v in c.stats.items()})
+
+    def __call__(self, s: ModelOut, t: ModelOut, batch: dict, denom, *, seed: int = 0,
+                 needs_lm: bool = True) -> ObjectiveResult:
+        labels = batch["labels"].reshape(-1)
+        mask = batch["loss_mask"].reshape(-1)
+        side = self.term.prepare(t, seed, labels.device)
+        fuse, term = self.fuses_lm, self.term
+
+        def loss_fn(z, rows: slice) -> ChunkLoss:
+            lab = labels[rows]
+            c = term.chunk(z, side, rows, lab if fuse else None)
+            if c.lm is not None:
+                return c
+            if needs_lm:
+                return c._replace(lm=_cross_entropy(z, lab))
+            with torch.no_grad():  # alpha == 1: logged only, out of the graph
+                return c._replace(lm=_cross_entropy(z.detach(), lab))
+
+        kd, lm, stats = self._apply(loss_fn, s, mask.float(), denom, self.coefficients)
+        inter = None
+        if self.pairs:
+            inter = objectives.intermediate_loss(s.model, self.loss_cfg, s.layers, t.layers, batch["loss_mask"],
+                                                 denom)
+            stats["intermediate_loss"] = inter
+        return ObjectiveResult(kd, lm if needs_lm else None, lm.detach(), inter, stats)
+
+    @torch.no_grad()
+    def evaluate(self, model, batch: dict, denom) -> torch.Tensor:
+        """[val/kl_to_teacher, val/top1_agreement, val/lm_loss] of one micro-batch (token sums over `denom`), always
+        against the teacher model (full-vocabulary forward KL at T=1), chunked like training."""
+        from kdexp.losses import logits_kd_loss
+
+        s = forward(model, batch["tokens"], fused=self.fused)
+        t = self.eval_teacher(batch)
+        labels = batch["labels"].reshape(-1)
+
+        def loss_fn(z, rows: slice) -> ChunkLoss:
+            tz = t.chunk_logits(rows)
+            kl = logits_kd_loss(z, tz, top_k=None, top_p=None, ghost_token=False, tp_group=distributed.tp_group())
+            same = (objectives.vocab_parallel_argmax(z) == objectives.vocab_parallel_argmax(tz)).float()
+            return ChunkLoss(kl, _cross_entropy(z, labels[rows]), {"top1": same})
+
+        mask = batch["loss_mask"].reshape(-1).float()
+        if self.fused:
+            kl, lm, stats = _eval_chunks(loss_fn, s, mask / denom)
+        else:
+            kl, lm, stats = self._apply(loss_fn, s, mask, denom)
+        return torch.stack([kl, stats["top1"], lm])
+
+
+def _eval_chunks(loss_fn, out: ModelOut, token_weight) -> tuple:
+    """No-grad fused evaluation: each chunk's logits formed from the hidden states, used, dropped (the head's chunk
+    rule, the same on every TP rank)."""
+    kd = lm = torch.zeros((), device=token_weight.device)
+    stats: dict = {}
+    n = out.tokens
+    rows_per = head_chunk_rows(n, out.weight.shape[0], out.weight.dtype)
+    for lo in range(0, n, rows_per):
+        rows = slice(lo, min(n, lo + rows_per))
+        z = out.chunk_logits(rows)
+        c = loss_fn(z, rows)
+        w = token_weight[rows]
+        kd, lm = kd + (c.kd.float() * w).sum(), lm + (c.lm.float() * w).sum()
+        for k, v in c.stats.items():
+            stats[k] = stats.get(k, 0.0) + (v.float() * w).sum()
+    return kd, lm, stats
+
+
+def build(cfg, data, teacher_model, balancer, student=None) -> Objective:
+    """The run's objective from cfg.loss and cfg.teacher: the teacher source (TEACHERS), the loss term (LOSSES),
+    whether the head is fused (loss.fused_head), the balancer's fixed coefficients (the head's gradients in the
+    forward pass) and the hidden-state pairs."""
+    loss_cfg = cfg.loss
+    fused = bool(getattr(loss_cfg, "fused_head", False))
+    s_layers, t_layers = objectives.intermediate_layers(loss_cfg)
+    source = TEACHERS[cfg.teacher.name](cfg, data, teacher_model, fused=fused, layers=t_layers)
+    fam = family(loss_cfg)
+    key = (fam, cfg.teacher.name)
+    if key not in LOSSES:
+        raise ValueError(f"loss.name={loss_cfg.name!r} is invalid with teacher={cfg.teacher.name}: the loss serves "
+                         f"teacher(s) {sorted(k for f, k in LOSSES if f == fam)}")
+    term = LOSSES[key](loss_cfg, source)
+    fuses_lm = bool(getattr(term, "fuses_lm", False))
+    coefficients = getattr(balancer, "coefficients", None) if not s_layers else None
+    eval_teacher = OnlineTeacher(teacher_model, fused=fused)
+    return Objective(loss_cfg, source, term, fused=fused, fuses_lm=fuses_lm, coefficients=coefficients,
+                     eval_teacher=eval_teacher, student_layers=s_layers, pairs=loss_cfg.intermediate or [])
