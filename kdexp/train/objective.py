@@ -9,7 +9,7 @@ Two tables hold every choice; nothing outside this module branches on the loss o
   ``prepare(teacher_out, seed)`` (the teacher's side of the whole batch: a cache record, the draws) and
   ``chunk(z, side, rows, labels)``, the per-token loss of one chunk of student logits ``z`` [c, V/tp] covering the
   token ``rows``. The family is loss.name's entry of ``FAMILIES`` ("logit" for the shipped logit losses, "sampled"
-  whenever loss.samples is set); a new loss registers its name with ``register_loss`` (docs/extending.md).
+  whenever loss.samples is set); a new loss registers its name with ``register_loss`` (docs/objective.md, "Adding a loss").
 
 The objective owns the output layer: with ``loss.fused_head`` the student's final hidden states and output weight go
 to kdexp.losses.head.fused_head_loss, which forms the logits chunk by chunk (never [tokens, vocab] at once) and the
