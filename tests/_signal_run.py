@@ -5,19 +5,19 @@ import os
 import signal
 import sys
 
-from kdexp.train import loop
+from kdexp.train.step import StepDriver
 
 at_step, signum = int(sys.argv.pop(1)), getattr(signal, "SIG" + sys.argv.pop(1))
-_train_step = loop.train_step
+_driver_step = StepDriver.step
 
 
-def _signalling_step(*args, step, **kwargs):
+def _signalling_step(self, step, *args, **kwargs):
     if step + 1 == at_step:  # `step` is 0-based, logged steps 1-based
         os.kill(os.getpid(), signum)
-    return _train_step(*args, step=step, **kwargs)
+    return _driver_step(self, step, *args, **kwargs)
 
 
-loop.train_step = _signalling_step
+StepDriver.step = _signalling_step
 
 from kdexp.run import cli  # noqa: E402  (after the patch: the run starts when cli() is called)
 

@@ -68,7 +68,7 @@ def test_the_real_shape_part_runs_at_tiny_shapes_on_the_cpu():
     from kdexp.bench import gpu_scale
 
     args = argparse.Namespace(teacher="tiny-teacher", student="tiny-student", scale_steps=2, lm_steps=1, seq=64,
-                              micro=2, recompute="none")
+                              micro=2, recompute="none", attention="sdpa")
     out = gpu.scale(args)
     assert out.get("finite") is True and out["ok"] is False, out  # finite losses; no CUDA peak: not a pass
     assert (out["precision"], out["params_dtype"], out["seq"], out["steps"]) == ("bf16", "bfloat16", 64, 2)

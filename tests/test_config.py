@@ -227,7 +227,7 @@ def test_the_table_holds_every_rule_family():
     schema = OmegaConf.structured(KdexpConfig)
     for group in ("trainer", "data", "model"):  # every key of these groups has a bad case in the table
         for name in schema[group]:
-            if name not in ("reuse_finished", "export_hf", "distributed_optimizer"):  # booleans: a wrong type fails at compose
+            if name not in ("reuse_finished", "export_hf", "distributed_optimizer", "overwrite"):  # booleans: a wrong type fails at compose
                 assert f"{group}.{name}" in keys, f"{group}.{name}"
 
 

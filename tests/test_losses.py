@@ -299,9 +299,10 @@ def test_options_are_the_keywords_of_logits_kd_loss():
 
     from kdexp.losses.options import SampledKDOptions
 
-    # the loss group = the loss keywords + the sampled-KD keys + the hidden-state pairs + the option's name, nothing else
+    # the loss group = the loss keywords + the sampled-KD keys + the hidden-state pairs + the option's name + how the
+    # objective forms the logits (fused_head), nothing else
     assert sorted(f.name for f in fields(LossConfig)) == sorted(
-        [*KDLossOptions.names(), *(f.name for f in fields(SampledKDOptions)), "intermediate", "name"])
+        [*KDLossOptions.names(), *(f.name for f in fields(SampledKDOptions)), "intermediate", "name", "fused_head"])
     assert KDLossOptions.from_config(LossConfig()).kwargs() == {**params, "top_k": 1024}  # the run's default: Top-K
 
 

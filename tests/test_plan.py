@@ -116,6 +116,7 @@ def test_activation_bytes_under_tensor_and_sequence_parallel_are_what_autograd_s
                 assert cut == tokens * (2 * (8 * H + 4) + 2 * e * H) / 2, (e, attention)
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "megatron"])
 def test_tensor_parallel_sequence_parallel_and_recompute_by_hand(attention):
     spec, n, e = _spec(), B * S, 2
     layer = functools.partial(sizing.layer_bytes, spec, n, S, e, attention=attention)
@@ -214,9 +215,10 @@ def test_the_smoke_plan_item_by_item():
     # 128 rows fit the loss's 4 MiB minimum chunk: its [rows, K+1] temporaries; on float32 logits without TP or a
     # nucleus cut the loss works in the gradient's own rows (kdexp.losses.logits.holds_gradient), elsewhere in a
     # [rows, V+1] buffer of its own (bf16 logits here)
-    assert items["KD loss chunk buffer"] == n * sizing.KD_CHUNK_K_ARRAYS * 1025 * 4  # no nucleus cut
+    assert items["KD loss chunk buffer"] == n * (sizing.KD_CHUNK_K_ARRAYS * 1025 * 4 + sizing.KD_CHUNK_SELECT_ROW_BYTES)
     bf16 = {name: b for name, b, _ in make_plan(_cfg("trainer.precision=bf16", "loss.fused_head=false")).items}
-    assert bf16["KD loss chunk buffer"] == n * (v + 1 + sizing.KD_CHUNK_K_ARRAYS * 1025) * 4
+    assert bf16["KD loss chunk buffer"] == n * ((v + 1 + sizing.KD_CHUNK_K_ARRAYS * 1025) * 4
+                                             + sizing.KD_CHUNK_SELECT_ROW_BYTES)
     assert "attention score buffer" not in items  # model.attention=sdpa: no score tensor
     unfused_attn = {name: b for name, b, _ in make_plan(_cfg("model.attention=megatron")).items}
     assert unfused_attn["attention score buffer"] == 2 * 4 * 64 * 64 * 4  # micro x heads (4, both) x s x s, fp32

@@ -170,7 +170,8 @@ def test_real_sweep_with_a_diverging_point(tmp_path):
     assert proc.returncode == 1, out  # the sweep ran to the end, then says through its exit status: not all well
     s = json.loads((sweep_dir / "sweep.json").read_text())
     assert [(p["num"], p["status"]) for p in s["points"]] == [(0, "finished"), (1, "diverged")], out
-    assert s["counts"] == {"pending": 0, "running": 0, "finished": 1, "reused": 0, "failed": 0, "diverged": 1}
+    assert s["counts"] == {"pending": 0, "running": 0, "finished": 1, "reused": 0, "failed": 0, "diverged": 1,
+                           "interrupted": 0}
     summaries = [json.loads((sweep_dir / str(n) / "summary.json").read_text()) for n in (0, 1)]
     assert [x["status"] for x in summaries] == ["finished", "diverged"]
     for p, summary in zip(s["points"], summaries):

@@ -76,7 +76,11 @@ def plain_kd(s, t, *, temperature=1.0, top_k=None, top_p=None, min_k=1, ghost_to
     lt = F.log_softmax(t.float() / temperature, -1)
     if top_k is None and top_p is None:
         return (lt.exp() * (lt - ls)).sum(-1)
-    a, idx = lt.sort(-1, descending=True) if top_k is None else lt.topk(top_k, -1)
+    # ties: the lower vocabulary id first (kdexp's rule; a stable descending sort), so bf16's many equal values
+    # select the same entries
+    a, idx = lt.sort(dim=-1, descending=True, stable=True)
+    if top_k is not None:
+        a, idx = a[..., :top_k], idx[..., :top_k]
     b = ls.gather(-1, idx)
     keep = torch.ones_like(a, dtype=torch.bool)
     if top_p is not None:

@@ -276,9 +276,12 @@ def validate(cfg: Any) -> None:
     sizes = shapes(cfg)
     teacher_vocab, student_vocab = sizes["teacher"][0], sizes["student"][0]
     choice("model.vocab_alignment", cfg.model.vocab_alignment, ALIGNMENTS)
+    exact = cfg.model.vocab_alignment == "exact"
+    both = teacher_vocab is not None and student_vocab is not None
+    if both and exact and teacher_vocab != student_vocab:  # needs no tokenizer: said before the tokenizer's checks
+        check_alignment("exact", teacher_vocab, student_vocab, None)
     check_tokenizer(cfg)
-    if teacher_vocab is not None and student_vocab is not None and \
-            (teacher_vocab != student_vocab or cfg.model.vocab_alignment != "exact"):
+    if both and not exact:
         check_alignment(cfg.model.vocab_alignment, teacher_vocab, student_vocab, tokenizer_vocab(cfg))
         teacher_vocab = student_vocab  # the teacher is loaded with the student's rows
     kd = KDLossOptions.from_config(cfg.loss).check(teacher_vocab, prefix="loss.")  # the loss's own rules

@@ -210,7 +210,8 @@ def check_alignment(alignment: str, teacher_vocab: int, student_vocab: int, real
     if alignment == "exact":
         raise ValueError(f"model.teacher vocabulary ({teacher_vocab}) and model.student vocabulary ({student_vocab}) "
                          "differ: logit distillation needs one shared vocabulary; if they differ only by padding rows "
-                         f"beyond the tokenizer's {real_vocab} ids, set model.vocab_alignment=tokenizer")
+                         f"beyond the tokenizer's{'' if real_vocab is None else f' {real_vocab}'} ids, set "
+                         "model.vocab_alignment=tokenizer")
     if min(teacher_vocab, student_vocab) < real_vocab:
         raise ValueError(f"model.vocab_alignment=tokenizer is invalid: the tokenizer has {real_vocab} ids but "
                          f"model.teacher has {teacher_vocab} vocabulary rows and model.student {student_vocab}; "

@@ -138,7 +138,10 @@ def kd_saved_per_token(top_k: int | None, top_p: float | None, initial_k: int, f
 # buffer, its saved values and the logit gradient (tests/test_plan.py::test_the_plan_bounds_the_kd_loss_alone measures
 # the loss's peak: ~1.9 for Top-K, ~9 with a nucleus cut, whose float64 cumsum and keep mask widen the chunk).
 KD_CHUNK_K_ARRAYS = 2
-KD_CHUNK_K_ARRAYS_CUT = 9
+KD_CHUNK_K_ARRAYS_CUT = 10
+# per row of a Top-K chunk: the tie rule's selection of the top K + 1 (its two smallest values and their ids,
+# the moved last column; kdexp.losses._shard._topk_lowest_ids)
+KD_CHUNK_SELECT_ROW_BYTES = 64
 
 
 def logits_bytes(tokens: int, local_vocab: int, act_bytes: int, *, needs_lm: bool, kd_saved: float,
@@ -164,7 +167,8 @@ def logits_bytes(tokens: int, local_vocab: int, act_bytes: int, *, needs_lm: boo
         "LM loss fp32 softmax": v * 4 if needs_lm else 0.0,
         "KD loss saved values": tokens * kd_saved,
         "logit gradients": v * act_bytes * (2 if needs_lm else 1),
-        "KD loss chunk buffer": (chunk_rows * ((0 if held else local_vocab + 1) + k_arrays * (kept + 1)) * 4
+        "KD loss chunk buffer": (chunk_rows * (((0 if held else local_vocab + 1) + k_arrays * (kept + 1)) * 4
+                                               + KD_CHUNK_SELECT_ROW_BYTES)
                                  if kept else
                                  2 * chunk_rows * local_vocab * 4),  # dense: a teacher and a student chunk
     }
