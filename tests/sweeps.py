@@ -128,9 +128,12 @@ def checked_real_points(sweep_dir: Path, proc: subprocess.CompletedProcess) -> d
 def run_diverging_sweep(sweep_dir: Path, *, index_dir: Path, timeout: float = 1800) -> subprocess.CompletedProcess:
     """A real multirun of the smoke experiment with trainer.lr=0.002 (finishes) and 1e6 (a non-finite gradient norm
     stops it at step 3, after the step-2 checkpoint). ``index_dir`` = a fresh finished-points index, so neither
-    point is reused from another test's run of the same config (the session's teacher cache is shared)."""
+    point is reused from another test's run of the same config (the session's teacher cache is shared).
+    model.attention=megatron: after an lr-1e6 step the attention scores reach ~1e12, where torch's CPU SDPA backward
+    already gives NaN (it stops one step earlier, before any checkpoint) while the unfused softmax stays finite; this
+    sweep is about the bookkeeping of a diverged point with a checkpoint before it."""
     env = {**os.environ, "WANDB_MODE": "disabled"}
     cmd = [sys.executable, "-m", "kdexp.run", "-m", "experiment=smoke", "logger=none", "trainer.max_steps=4",
            "trainer.eval_interval=2", "trainer.eval_iters=1", "trainer.log_interval=1", "trainer.checkpoint_interval=2",
-           f"paths.index={index_dir}", "trainer.lr=0.002,1e6", f"hydra.sweep.dir={sweep_dir}"]
+           "model.attention=megatron", f"paths.index={index_dir}", "trainer.lr=0.002,1e6", f"hydra.sweep.dir={sweep_dir}"]
     return subprocess.run(cmd, cwd=sweep_dir.parent, env=env, capture_output=True, text=True, timeout=timeout)

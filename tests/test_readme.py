@@ -415,7 +415,10 @@ def test_dry_run_block(block, shell_env, tmp_path):
     for name in ("Makefile", "pyproject.toml"):
         shutil.copy(ROOT / name, tmp_path / name)
     for line in block.commands:
-        proc = shell(re.sub(r"\bmake\b", "make -n", line, count=1), shell_env, tmp_path, timeout=60)
+        # a clean make: under `make test ARGS=...` the parent's command-line variables reach a child make through
+        # MAKEFLAGS and would change the recipe the line prints
+        env = {k: v for k, v in shell_env.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
+        proc = shell(re.sub(r"\bmake\b", "make -n", line, count=1), env, tmp_path, timeout=60)
         assert proc.returncode == 0, (block.where, proc.stderr)
         recipe = proc.stdout.splitlines()
         variables = {k: v.strip('"') for k, v in re.findall(r'(\w+)=("[^"]*"|\S+)', line)}
