@@ -36,59 +36,12 @@ import argparse
 import json
 import statistics
 import time
-import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from kdexp.bench.losses import StorageTimeline
 from kdexp.losses import logits_kd_loss
 from kdexp.losses.head import ChunkLoss, fused_head_loss, head_chunk_rows, teacher_head_logits
-
-
-class StorageTimeline(TorchDispatchMode):
-    """Allocation (+bytes) and free (-bytes) events of the tensor storages ops create while the mode is active."""
-
-    def __init__(self):
-        super().__init__()
-        self.events: list[tuple[int, int]] = []  # (serial, signed bytes)
-        self.live: dict[int, tuple[int, int]] = {}  # data_ptr -> (serial, bytes)
-        self.serial = 0
-
-    def _freed(self, ptr: int, serial: int):
-        cur = self.live.get(ptr)
-        if cur is not None and cur[0] == serial:
-            del self.live[ptr]
-            self.events.append((serial, -cur[1]))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor) and t.layout == torch.strided}
-        for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-                continue
-            st = t.untyped_storage()
-            ptr = st.data_ptr()
-            if ptr in inputs or ptr in self.live or st.nbytes() == 0:
-                continue  # in place, a view, or out=: no new storage
-            self.serial += 1
-            self.live[ptr] = (self.serial, st.nbytes())
-            self.events.append((self.serial, st.nbytes()))
-            weakref.finalize(st, self._freed, ptr, self.serial)
-        return out
-
-    def peak(self, exclude: list[torch.Tensor]) -> int:
-        """Peak live bytes over the timeline, leaving out the storages of `exclude` (still alive) at every time."""
-        skip = {self.live[t.untyped_storage().data_ptr()][0] for t in exclude
-                if t is not None and t.untyped_storage().data_ptr() in self.live}
-        cur = peak = 0
-        for serial, nbytes in self.events:
-            if serial not in skip:
-                cur += nbytes
-                peak = max(peak, cur)
-        return peak
 
 
 def _inputs(a):
@@ -139,7 +92,7 @@ def measure(path, hidden, weight, rest, a):
     t0 = time.perf_counter()
     with StorageTimeline() as tl:
         vals, gh, gw = _fwd_bwd(path, hidden, weight, rest, a)
-        peak = tl.peak([gh, gw])
+        peak = tl.peak_excluding([gh, gw])
     times = [time.perf_counter() - t0] if a.repeats == 0 else []
     for _ in range(a.repeats):
         del gh, gw

@@ -39,17 +39,20 @@ CONFIGS = {
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-class PeakTensorMemory(TorchDispatchMode):
-    """Peak bytes of tensor storages created while the mode is active (CPU or any device)."""
+class StorageTimeline(TorchDispatchMode):
+    """Allocation (+bytes) and free (-bytes) events of the tensor storages ops create while the mode is active."""
 
     def __init__(self):
         super().__init__()
-        self.live: dict[int, int] = {}
-        self.current = 0
-        self.peak = 0
+        self.events: list[tuple[int, int]] = []  # (serial, signed bytes)
+        self.live: dict[int, tuple[int, int]] = {}  # data_ptr -> (serial, bytes)
+        self.serial = 0
 
-    def _freed(self, key: int):
-        self.current -= self.live.pop(key, 0)
+    def _freed(self, ptr: int, serial: int):
+        cur = self.live.get(ptr)
+        if cur is not None and cur[0] == serial:
+            del self.live[ptr]
+            self.events.append((serial, -cur[1]))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -60,14 +63,33 @@ class PeakTensorMemory(TorchDispatchMode):
             if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
                 continue
             st = t.untyped_storage()
-            key = st.data_ptr()
-            if key in inputs or key in self.live or st.nbytes() == 0:
+            ptr = st.data_ptr()
+            if ptr in inputs or ptr in self.live or st.nbytes() == 0:
                 continue  # in place, a view, or out=: no new storage
-            self.live[key] = st.nbytes()
-            self.current += st.nbytes()
-            self.peak = max(self.peak, self.current)
-            weakref.finalize(st, self._freed, key)
+            self.serial += 1
+            self.live[ptr] = (self.serial, st.nbytes())
+            self.events.append((self.serial, st.nbytes()))
+            weakref.finalize(st, self._freed, ptr, self.serial)
         return out
+
+    def peak_excluding(self, exclude: list[torch.Tensor]) -> int:
+        """Peak live bytes over the timeline, leaving out the storages of `exclude` (still alive) at every time."""
+        skip = {self.live[t.untyped_storage().data_ptr()][0] for t in exclude
+                if t is not None and t.untyped_storage().data_ptr() in self.live}
+        cur = peak = 0
+        for serial, nbytes in self.events:
+            if serial not in skip:
+                cur += nbytes
+                peak = max(peak, cur)
+        return peak
+
+
+class PeakTensorMemory(StorageTimeline):
+    """Peak bytes of tensor storages created while the mode is active (CPU or any device)."""
+
+    @property
+    def peak(self) -> int:
+        return self.peak_excluding([])
 
 
 def plain_kd(s, t, *, temperature=1.0, top_k=None, top_p=None, min_k=1, ghost_token=True, normalization="full"):
