@@ -12,8 +12,11 @@ finds exactly one (with several it would pick one arbitrarily). Swept values are
 whose planned values mix numbers and text is shown as text in every point, so each column has one type. A single run
 writes its session with all its overrides, and TensorBoard derives the experiment from it.
 
-Events are written with torch.utils.tensorboard's writer and the hparams protos of tensorboard.plugins.hparams
-(summary_v2 builds them without TensorFlow).
+Events are written with tensorboardX's event-file writer and protos (numpy + protobuf: small enough for an offline
+node's wheelhouse; the tensorboard package, a server with grpcio and a data-server binary, is only needed to view
+them). The summaries are the ones tensorboard's own writers emit: scalars as float64 tensors of the "scalars" plugin
+(torch.utils.tensorboard's new_style/double_precision form), HParams as tensorboard.plugins.hparams.summary_v2 builds
+them (experiment config with discrete domains, session start with group name and start time, session end).
 """
 from __future__ import annotations
 
@@ -35,10 +38,9 @@ HPARAMS_METRICS = ("val/lm_loss", "val/kl_to_teacher", "val/top1_agreement", "tr
 
 
 def available() -> Optional[str]:
-    """None when the tensorboard package can be imported, else why not."""
+    """None when the event writer (tensorboardX) can be imported, else why not."""
     try:
-        import tensorboard  # noqa: F401
-        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+        from tensorboardX.writer import FileWriter  # noqa: F401
     except Exception as exc:  # noqa: BLE001
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -85,16 +87,86 @@ def session_hparams(overrides: list[str], planned: dict[str, list[Any]]) -> dict
     return out
 
 
-def _writer(log_dir: Path):
-    from torch.utils.tensorboard import SummaryWriter
+# HParams plugin tags and version (tensorboard.plugins.hparams.metadata).
+_HPARAMS_PLUGIN, _HPARAMS_VERSION = "hparams", 0
+_EXPERIMENT_TAG = "_hparams_/experiment"
+_SESSION_START_TAG = "_hparams_/session_start_info"
+_SESSION_END_TAG = "_hparams_/session_end_info"
 
-    return SummaryWriter(log_dir=str(log_dir))
+
+def _writer(log_dir: Path):
+    from tensorboardX.writer import FileWriter
+
+    return FileWriter(str(log_dir))
+
+
+def _plugin_value(tag: str, plugin: str, content: bytes, tensor):
+    from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
+
+    meta = SummaryMetadata(plugin_data=SummaryMetadata.PluginData(plugin_name=plugin, content=content))
+    return Summary(value=[Summary.Value(tag=tag, metadata=meta, tensor=tensor)])
+
+
+def _tensor(values: list[float], dtype: str):
+    from tensorboardX.proto.tensor_pb2 import TensorProto
+    from tensorboardX.proto.tensor_shape_pb2 import TensorShapeProto
+    from tensorboardX.proto.types_pb2 import DataType
+
+    shape = TensorShapeProto(dim=[TensorShapeProto.Dim(size=0)]) if not values else TensorShapeProto()
+    kind = DataType.Value(dtype)
+    if kind == DataType.Value("DT_DOUBLE"):
+        return TensorProto(dtype=kind, tensor_shape=shape, double_val=values)
+    return TensorProto(dtype=kind, tensor_shape=shape, float_val=values)
+
+
+def _hparams_summary(tag: str, **data):
+    """One HParams plugin summary (experiment / session_start_info / session_end_info), with the empty float tensor
+    tensorboard's summary_v2 attaches (metadata.NULL_TENSOR)."""
+    from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
+
+    content = HParamsPluginData(version=_HPARAMS_VERSION, **data).SerializeToString()
+    return _plugin_value(tag, _HPARAMS_PLUGIN, content, _tensor([], "DT_FLOAT"))
+
+
+def _scalar_summary(tag: str, value: float):
+    """A scalar as torch.utils.tensorboard writes it with new_style=True, double_precision=True."""
+    return _plugin_value(tag, "scalars", b"", _tensor([value], "DT_DOUBLE"))
+
+
+def _experiment_pb(planned: dict[str, list[Any]]):
+    from tensorboardX.proto.api_pb2 import DataType, Experiment, HParamInfo, MetricInfo, MetricName
+
+    kinds = {bool: "DATA_TYPE_BOOL", float: "DATA_TYPE_FLOAT64", int: "DATA_TYPE_FLOAT64", str: "DATA_TYPE_STRING"}
+    infos = []
+    for key, values in planned.items():
+        info = HParamInfo(name=key)
+        types = set(map(type, values))
+        if len(types) == 1:  # a discrete domain of one type (summary_v2's Discrete); else an untyped column
+            info.type = DataType.Value(kinds[types.pop()])
+            info.domain_discrete.extend(sorted(values, key=lambda v: (str(type(v)), v)))
+        infos.append(info)
+    metrics = [MetricInfo(name=MetricName(tag=m), display_name=m) for m in HPARAMS_METRICS]
+    return _hparams_summary(_EXPERIMENT_TAG, experiment=Experiment(hparam_infos=infos, metric_infos=metrics,
+                                                                   time_created_secs=time.time()))
+
+
+def _session_start_pb(hparams: dict[str, Any], group: str):
+    from tensorboardX.proto.plugin_hparams_pb2 import SessionStartInfo
+
+    start = SessionStartInfo(group_name=group, start_time_secs=time.time())
+    for key in sorted(hparams):
+        value = hparams[key]
+        if isinstance(value, bool):
+            start.hparams[key].bool_value = value
+        elif isinstance(value, (int, float)):
+            start.hparams[key].number_value = value
+        else:
+            start.hparams[key].string_value = str(value)
+    return _hparams_summary(_SESSION_START_TAG, session_start_info=start)
 
 
 def write_experiment(sweep_dir: Path, planned: dict[str, list[Any]]) -> bool:
     """The sweep's HParams experiment config, once: False when a point already wrote it (or no plan)."""
-    from tensorboard.plugins.hparams import summary_v2 as hp
-
     if not planned:
         return False
     target = Path(sweep_dir) / EXPERIMENT_DIR
@@ -102,12 +174,9 @@ def write_experiment(sweep_dir: Path, planned: dict[str, list[Any]]) -> bool:
         target.mkdir(parents=True)  # atomic: the first point to start writes the one config
     except FileExistsError:
         return False
-    hparams = [hp.HParam(k, hp.Discrete(v)) if len(set(map(type, v))) == 1 else hp.HParam(k) for k, v in
-               planned.items()]
-    metrics = [hp.Metric(m, display_name=m) for m in HPARAMS_METRICS]
     writer = _writer(target)
     try:
-        writer.file_writer.add_summary(hp.hparams_config_pb(hparams=hparams, metrics=metrics))
+        writer.add_summary(_experiment_pb(planned))
     finally:
         writer.close()
     return True
@@ -118,8 +187,6 @@ class TensorBoardLogger:
 
     def __init__(self, run_dir: Path, *, name: str, overrides: list[str], sweep_dir: Optional[Path] = None,
                  reused_from: Optional[str] = None):
-        from tensorboard.plugins.hparams import summary_v2 as hp
-
         planned = planned_hparams(sweep_dir) if sweep_dir is not None else {}
         if sweep_dir is not None:
             write_experiment(sweep_dir, planned)
@@ -127,7 +194,7 @@ class TensorBoardLogger:
         if reused_from:
             self.hparams["reused_from"] = str(reused_from)
         self.writer = _writer(Path(run_dir))
-        self.writer.file_writer.add_summary(hp.hparams_pb(self.hparams, trial_id=name))
+        self.writer.add_summary(_session_start_pb(self.hparams, name))
         self.seen: set[str] = set()
         self.last_step = 0
 
@@ -136,7 +203,7 @@ class TensorBoardLogger:
             if key in ("step", "kind") or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
             if math.isfinite(value):  # a NaN would hide the curve's scale; metrics.jsonl keeps it
-                self.writer.add_scalar(key, float(value), global_step=step, new_style=True, double_precision=True)
+                self.writer.add_summary(_scalar_summary(key, float(value)), global_step=step)
                 self.seen.add(key)
         self.last_step = max(self.last_step, step)
 
@@ -145,15 +212,12 @@ class TensorBoardLogger:
         self.log({k: v for k, v in final.items() if k not in self.seen}, self.last_step)
 
     def close(self, exit_code: int = 0) -> None:
-        from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
-        from tensorboard.compat.proto import summary_pb2
+        from tensorboardX.proto.api_pb2 import Status
+        from tensorboardX.proto.plugin_hparams_pb2 import SessionEndInfo
 
-        end = plugin_data_pb2.SessionEndInfo(status=api_pb2.STATUS_SUCCESS if exit_code == 0 else
-                                             api_pb2.STATUS_FAILURE, end_time_secs=time.time())
-        content = plugin_data_pb2.HParamsPluginData(session_end_info=end)
-        summary = summary_pb2.Summary(value=[summary_pb2.Summary.Value(
-            tag=metadata.SESSION_END_INFO_TAG, metadata=metadata.create_summary_metadata(content))])
-        self.writer.file_writer.add_summary(summary)
+        status = Status.Value("STATUS_SUCCESS" if exit_code == 0 else "STATUS_FAILURE")
+        end = SessionEndInfo(status=status, end_time_secs=time.time())
+        self.writer.add_summary(_hparams_summary(_SESSION_END_TAG, session_end_info=end))
         self.writer.close()
 
 
@@ -164,8 +228,8 @@ def enabled_in(cfg: Any) -> bool:
         return False
     problem = available()
     if problem is not None:
-        log.warning("logger.tensorboard=true but tensorboard cannot be imported (%s): no TensorBoard events; "
-                    "pip install tensorboard, or logger.tensorboard=false", problem)
+        log.warning("logger.tensorboard=true but tensorboardX cannot be imported (%s): no TensorBoard events; "
+                    "pip install tensorboardX, or logger.tensorboard=false", problem)
         return False
     return True
 
