@@ -294,6 +294,9 @@ def check_loss_bench(line, cwd, before, proc) -> None:
 def check_step_bench(line, cwd, before, proc) -> None:
     assert re.search(r"KD overhead: [+-]\d+\.\d%", proc.stdout), proc.stdout
     assert "device=cpu" in proc.stdout
+    if "--versus" in line:  # the second setup's KD step, timed in the same rotation
+        versus = line.split("--versus", 1)[1].split()[0]
+        assert re.search(rf"KD step vs {re.escape(versus)}: ratio \d+\.\d{{3}}", proc.stdout), proc.stdout
 
 
 def check_teacher_bench(line, cwd, before, proc) -> None:

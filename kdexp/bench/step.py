@@ -8,6 +8,10 @@ forward + backward with the LM loss); the difference is the cost of the KD loss 
 DP gradient averaging, clipping, the non-finite guard's one host read, the optimizer step. The setup is the
 trainer's own (kdexp.train.loop.setup).
 
+``--versus KEY=VALUE ...`` builds a second trainer setup with those overrides added and times its KD step in the same
+interleaved rotation, on the same batches: ``--versus model.attention=megatron`` is the embedded default's step with
+SDPA against megatron's attention, ``--versus loss.fused_head=false`` the fused head against the logits path.
+
 With ``teacher=cached`` the KD step reads the offline teacher cache (built first if missing) and the baseline is the
 LM-only student step (no teacher at all): the ratio is what distilling from the cache costs over plain training.
 """
@@ -33,17 +37,23 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--versus", nargs="+", default=None, metavar="KEY=VALUE",
+                    help="overrides of a second setup whose KD step is timed in the same rotation")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args(argv)  # options may follow the overrides (README lines + --steps N)
     if args.steps < 1 or args.warmup < 0:
         ap.error(f"--steps must be >= 1 and --warmup >= 0, got --steps {args.steps} --warmup {args.warmup}")
     with initialize_config_module(config_module="kdexp.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=args.overrides)
+        other = compose(config_name="config", overrides=args.overrides + args.versus) if args.versus else None
     kdexp.config.validate(cfg)
+    if other is not None:
+        kdexp.config.validate(other)
     st = distributed.initialize(tensor_parallel=cfg.parallel.tensor, seed=cfg.trainer.seed)
     t = cfg.trainer
     s = setup(cfg)  # the trainer's own setup: same data, teacher (cache key), reseed, student, objective, optimizer
     driver = StepDriver(s, cfg)  # the trainer's own step sequence
+    versus = StepDriver(setup(other), other) if other is not None else None
 
     def stream():  # the timed steps may outnumber the trainer's batches: start the stream over
         while True:  # (a cache holds the run's max_steps batches: start over after those)
@@ -58,11 +68,14 @@ def main(argv=None) -> None:
     def baseline_step(i, batch):  # the teacher's side (a forward; nothing for a cache) + the LM-only student step
         driver.lm_step(i, batch, teacher=True)
 
-    times = {"kd": [], "baseline": []}
+    variants = [("baseline", baseline_step), ("kd", kd_step)]
+    if versus is not None:
+        variants.append(("versus", versus.step))
+    times = {name: [] for name, _ in variants}
     for i in range(args.warmup + args.steps):
         batch = objectives.batch_to(next(train_batches), st.device)
-        for name, fn in (("kd", kd_step), ("baseline", baseline_step)) if i % 2 else (
-                ("baseline", baseline_step), ("kd", kd_step)):
+        shift = i % len(variants)  # each variant runs first, second, ... equally often
+        for name, fn in variants[shift:] + variants[:shift]:
             if st.device.type == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
@@ -79,7 +92,12 @@ def main(argv=None) -> None:
         print(f"{'variant':<40} {'median ms':>10}")
         print(f"{s.objective.teacher.baseline_label:<40} {1000 * base:>10.1f}")
         print(f"{s.objective.teacher.kd_label:<40} {1000 * kd:>10.1f}")
+        if versus is not None:
+            print(f"{s.objective.teacher.kd_label + ', ' + ' '.join(args.versus):<40} "
+                  f"{1000 * statistics.median(times['versus']):>10.1f}")
         print(f"KD overhead: {100 * (kd / base - 1):+.1f}%  (ratio {kd / base:.3f})")
+        if versus is not None:
+            print(f"KD step vs {' '.join(args.versus)}: ratio {kd / statistics.median(times['versus']):.3f}")
 
 
 if __name__ == "__main__":
