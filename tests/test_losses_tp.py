@@ -91,9 +91,9 @@ def _worker(rank, world, port, splits):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        import kdexp.losses.logits as logits_mod
+        import kdexp.losses._sparse as sparse_mod
 
-        logits_mod.TOP_P_INITIAL_K = 4  # exercise the growing Top-P search (identically on both ranks)
+        sparse_mod.TOP_P_INITIAL_K = 4  # exercise the growing Top-P search (identically on both ranks)
         g = torch.Generator().manual_seed(0)
         t = torch.randn(N, V, generator=g) * 1.5
         s = t + torch.randn(N, V, generator=g)

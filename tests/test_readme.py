@@ -492,3 +492,10 @@ def test_readme_groups_table_is_the_config_groups():
     for name, group in groups.items():  # default first
         if group.default is not None:
             assert rows[name][0] == group.default, (name, rows[name])
+
+
+def test_readme_documentation_table_lists_every_docs_page():
+    """Every docs/*.md page is a row of README's documentation index (and every row is a page)."""
+    section = README.read_text().split("## Documentation", 1)[1].split("\n## ", 1)[0]
+    linked = re.findall(r"^\| \[docs/([\w.-]+\.md)\]\(docs/\1\) \|", section, re.M)
+    assert sorted(linked) == sorted(p.name for p in (ROOT / "docs").glob("*.md"))

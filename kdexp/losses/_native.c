@@ -1,6 +1,6 @@
 /* The student half of a Top-K KD chunk in one pass per row (kdexp/losses/_native.py builds and loads this file).
 
-   The eager code (logits.py, _student_side on the held-gradient path) makes ~8 passes over each [rows, V] chunk:
+   The eager code (_sparse.py, student_half on the held-gradient path) makes ~8 passes over each [rows, V] chunk:
    a copy, a -inf scatter at S, a max, sub / floor / exp / sum, a gather of S. Each is a memory-bound torch op. Here
    one row at a time stays in L1/L2 while everything the loss needs is formed from it. The arithmetic is the eager
    code's, term by term (see the comments); exp is a vectorisable Cephes-style expf (about 1 ulp), 0 below -87.3
@@ -42,7 +42,7 @@ static inline float kd_exp(float x) {
      e[r, :K]    <- exp(sv), sv = (s[idx] - centre) / T           (centre: the row max, 0 if not finite)
      b[r, :K]    <- sv - lse       (the student's kept log-probs; b NULL: not stored, forward KL needs only the sum)
      row[r, 0..4] <- centre, lns (log-sum-exp outside S, centred), sum of the held row, lse, total
-   where total = sum(e) + exp(lns) (as _student_side: e.sum(1).add_(lns.exp())). The frame f is the centre: one exp
+   where total = sum(e) + exp(lns) (as student_half: e.sum(1).add_(lns.exp())). The frame f is the centre: one exp
    pass over the row gives the held exps and, gathered at S, e. Where the mass outside S is below 1e-20 of the row
    max's (a near-converged row: the eager code's case for a log-sum-exp taken in the complement's own frame) the
    held row is recomputed with f = the max outside S, so that its exps stay normal floats and lns keeps relative

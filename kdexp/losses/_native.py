@@ -4,7 +4,7 @@ Why a kernel: on CPU each eager torch op of the sparse loss is a memory-bound pa
 scatter, max, sub, floor, exp, sum, gather; scale and scatter in backward), and on the embedded default (K = 1,024
 of V = 2,048) those passes were most of the KD step's cost over plain LM training. The kernel forms the same values
 one row at a time while the row sits in cache. It serves two cases on CPU with float32 logits and no TP: the Top-K
-held-gradient path (logits.holds_gradient: no nucleus cut) and sampled KD (sampled._SparseCE); every other case, and
+held-gradient path (_chunks.holds_gradient: no nucleus cut) and sampled KD (sampled._SparseCE); every other case, and
 every case on CUDA, runs the eager code, which stays the reference the tests hold the kernel to.
 
 Build: `$CC` (default `cc`) with -O3 -march=native -fopenmp, into `<kdexp cache>/native/` under a name keyed by the
@@ -34,7 +34,7 @@ SOURCE = Path(__file__).with_name("_native.c")
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared"]
 _state: dict = {}
 # The K-wide values (teacher log-probs, e, p, the record's slice) of one chunk on the kernel's path: ~4 float32
-# arrays of [rows, K + 1]; the kernel works a row at a time, so only these bound the chunk (see logits._LogitsKD).
+# arrays of [rows, K + 1]; the kernel works a row at a time, so only these bound the chunk (see _autograd.LogitsKD).
 CHUNK_BYTES = 64 << 20
 
 

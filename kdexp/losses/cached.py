@@ -8,9 +8,10 @@ their global indices, and per temperature T two log-sum-exps of the centred logi
 
 `cached_kd_loss(student_logits, values, indices, lse, lse_rest, ...)` is `logits_kd_loss` with the teacher half of
 each chunk read from such a record instead of computed from full teacher logits. The student half (gather, student
-log-sum-exps, the bucket divergence, the backward, TP) is logits.py's own code, called as it is, so for any
-top_k <= k_max, top_p / min_k, ghost on/off, divergence and a cached temperature the loss and gradient are the online
-ones up to float rounding. The teacher residual outside the kept set S (top_k prefix, then the nucleus cut) is
+log-sum-exps, the bucket divergence, the backward, TP) is the online loss's own code (kdexp.losses._sparse and
+._autograd), called as it is, so for any top_k <= k_max, top_p / min_k, ghost on/off, divergence and a cached
+temperature the loss and gradient are the online ones up to float rounding. The teacher residual outside the kept
+set S (top_k prefix, then the nucleus cut) is
     logsumexp(lse_rest, kept-set candidates cut by the nucleus, entries k..k_max) - lse
 a sum of positive terms: accurate when the kept mass is within 1e-7 of 1, where 1 - sum(exp(kept)) (Megatron-LM's
 cached_logits_loss) has lost every digit. A true nucleus (top_p without top_k) is served when every token's nucleus
@@ -26,9 +27,10 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from kdexp.losses._autograd import LogitsKD
+from kdexp.losses._chunks import (check_labels, chunk_rows, compute_dtype, load_, make_cfg, mask_at_, masked_lse_,
+                                  scaled, shaped)
 from kdexp.losses._shard import Shard, check_ids
-from kdexp.losses.logits import (_chunk_rows, _LogitsKD, _load_, _mask_at_, _masked_lse_, _scaled, _shaped, check_labels,
-                                 make_cfg)
 
 __all__ = ["TeacherRecord", "teacher_topk_record", "cached_kd_loss"]
 
@@ -61,8 +63,8 @@ def teacher_topk_record(teacher_logits: torch.Tensor, k_max: int, temperatures: 
     lead = teacher_logits.shape[:-1]
     raw = teacher_logits.reshape(-1, vl)
     n = raw.shape[0]
-    cd = torch.float64 if raw.dtype == torch.float64 else torch.float32
-    rows = _chunk_rows(n, shard, cd, chunk_tokens)
+    cd = compute_dtype(raw)
+    rows = chunk_rows(n, shard.max_local_vocab, cd, chunk_tokens)
     values = torch.empty(n, k_max, dtype=cd, device=raw.device)
     indices = torch.empty(n, k_max, dtype=torch.long, device=raw.device)
     lse = torch.empty(n, len(temps), dtype=cd, device=raw.device)
@@ -77,10 +79,10 @@ def teacher_topk_record(teacher_logits: torch.Tensor, k_max: int, temperatures: 
         values[r], indices[r] = centred, gidx
         lidx, _ = shard.local_index(gidx)
         for j, t in enumerate(temps):
-            xt, offset = _load_(buf[: r.stop - r.start], x, t, m)
-            lc = _masked_lse_(_mask_at_(xt, lidx), shard, offset)[0]  # outside the top-k_max
+            xt, offset = load_(buf[: r.stop - r.start], x, t, m)
+            lc = masked_lse_(mask_at_(xt, lidx), shard, offset)[0]  # outside the top-k_max
             rest[r, j] = lc
-            lse[r, j] = torch.logsumexp(torch.cat([lc[:, None], _scaled(centred, t)], 1), 1)
+            lse[r, j] = torch.logsumexp(torch.cat([lc[:, None], scaled(centred, t)], 1), 1)
     return TeacherRecord(values.view(*lead, k_max), indices.view(*lead, k_max), lse.view(*lead, len(temps)),
                          rest.view(*lead, len(temps)))
 
@@ -143,7 +145,7 @@ def cached_kd_loss(
         check_nucleus_fits(v, lz, lr, cfg.top_p, cfg.temperature, shard.vocab)
 
     def teacher_side(r: slice, cd: torch.dtype):
-        vals = _scaled(v[r].to(cd), cfg.temperature)  # already centred on the top-1
+        vals = scaled(v[r].to(cd), cfg.temperature)  # already centred on the top-1
         kept_vals, tail = vals[:, :k], vals[:, k:]
         z = lz[r].to(cd)
         a = kept_vals - z[:, None]
@@ -162,10 +164,10 @@ def cached_kd_loss(
             return ix[r, :kk], keep[:, :kk], a[:, :kk], lr_t
         return ix[r, :k], keep, a, lr_t
 
-    stats: dict | None = {} if return_stats else None
-    out = _LogitsKD.apply(student_logits.reshape(-1, local_vocab), student_logits.new_empty(0), cfg, shard, stats,
-                          teacher_side, check_labels(labels, cfg, student_logits))
-    return _shaped(out, stats, lead)
+    stats: list | None = [] if return_stats else None
+    out = LogitsKD.apply(student_logits.reshape(-1, local_vocab), student_logits.new_empty(0), cfg, shard, stats,
+                         teacher_side, check_labels(labels, cfg, student_logits))
+    return shaped(out, stats[0] if return_stats else None, lead)
 
 
 def check_nucleus_fits(values: torch.Tensor, lse: torch.Tensor, lse_rest: torch.Tensor, top_p: float,

@@ -64,7 +64,7 @@ def bucket_divergence(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor | No
     return loss, (1.0 - beta) * qbm
 
 
-def _xlogdot_(d: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def xlogdot_(d: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """sum(x * d, -1) per row with 0 where x == 0 (0 log 0 = 0; see _xd), overwriting d: no [c, V] temporary, and
     torch.sum's cascade summation (a BLAS dot accumulates 150k float32 terms far less accurately)."""
     return d.masked_fill_(x == 0, 0.0).mul_(x).sum(-1)
@@ -79,16 +79,16 @@ def dense_forward_(a: torch.Tensor, b: torch.Tensor, divergence: str, beta: floa
     out = a.new_zeros(a.shape[0], 2)
     if divergence == "forward_kl":
         d = torch.sub(a, b, out=b)
-        out[:, 0] = _xlogdot_(d, a.exp_())
+        out[:, 0] = xlogdot_(d, a.exp_())
     elif divergence == "reverse_kl":
         d = torch.sub(b, a, out=a)
-        out[:, 0] = _xlogdot_(d, b.exp_())
+        out[:, 0] = xlogdot_(d, b.exp_())
     else:
         m = torch.logaddexp(a + math.log(beta), b + math.log1p(-beta))
         t = a - m
-        out[:, 0] = beta * _xlogdot_(t, a.exp_())
+        out[:, 0] = beta * xlogdot_(t, a.exp_())
         torch.sub(b, m, out=t)
-        kqm = _xlogdot_(t, b.exp_())
+        kqm = xlogdot_(t, b.exp_())
         out[:, 0] += (1.0 - beta) * kqm
         out[:, 1] = kqm
     return out

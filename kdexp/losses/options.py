@@ -12,8 +12,9 @@ on it instead of repeating it:
 - `KDLossOptions.from_config(node).kwargs()` gives the keywords for `logits_kd_loss` from a config node (attributes
   or a mapping; no Hydra import here): the one factory between config and loss.
 
-Adding a loss option = a field here (name, default, rule in `check`) + its keyword and use in logits.py; the schema
-inherits the field and the group YAML files hold only what an option changes. Not frozen: OmegaConf makes a frozen
+Adding a loss option = a field here (name, default, rule in `check`) + its keyword in logits.py (and cached.py) and
+its use in the chunk kernels (_chunks.make_cfg, _sparse); the schema inherits the field and the group YAML files
+hold only what an option changes. Not frozen: OmegaConf makes a frozen
 dataclass read-only, and the schema subclass must accept command-line overrides.
 """
 

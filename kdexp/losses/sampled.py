@@ -41,8 +41,8 @@ from typing import NamedTuple
 import torch
 
 from kdexp.losses import _native
+from kdexp.losses._chunks import Labels, check_label_shape, load_, lse_
 from kdexp.losses._shard import Shard, check_ids
-from kdexp.losses.logits import _Labels, _lse_, _load_, check_label_shape
 from kdexp.losses.options import KDLossOptions
 from kdexp.rules import is_real
 
@@ -212,8 +212,8 @@ def importance_weights(counts: torch.Tensor, log_ratio: torch.Tensor | None = No
 class _SparseCE(torch.autograd.Function):
     """-sum_i w_i log softmax(z / T)_{id_i} (+ sum_i w_i log p_i), the student's softmax over the global vocabulary.
 
-    Per chunk of rows the vocabulary is read into one reused scratch buffer (logits.py's `_load_`) and its
-    log-sum-exp taken by the fused log-softmax (`_lse_`): forward is one fused pass from the logits into the buffer
+    Per chunk of rows the vocabulary is read into one reused scratch buffer (kdexp.losses._chunks's `load_`) and its
+    log-sum-exp taken by the fused log-softmax (`lse_`): forward is one fused pass from the logits into the buffer
     (at T = 1; else a copy / T first, then in place); backward exp(z/T - lse), one scale and a scatter of the weights,
     written straight into the gradient without TP (with TP through the buffer, whose scratch column takes the ids of
     other ranks), as dense as a cross-entropy."""
@@ -230,7 +230,7 @@ class _SparseCE(torch.autograd.Function):
         lidx, owned = shard.local_index(ids2)
         gather_idx = lidx if owned is None else lidx.clamp(max=vl - 1)
         rows = _rows((vl + 1) * torch.finfo(cdtype).bits // 8, n)
-        label = None if labels is None else _Labels.make(labels, vl, shard, z.device)
+        label = None if labels is None else Labels.make(labels, vl, shard, z.device)
         lm = None if labels is None else torch.zeros(n, dtype=cdtype, device=z.device)
         native = shard.world == 1 and _native.serves(z2, sampled=True)
         # Everything centred on the row max (global under TP), as the logit losses are: log s = picked - lse from
@@ -252,11 +252,11 @@ class _SparseCE(torch.autograd.Function):
                 # of the buffer, since given the buffer's [c, :V] slice, with its V+1 row stride, the out= kernel
                 # restrides it to contiguous), else (z - centre) / T in the buffer (consumed in place; its scratch
                 # column is -inf). At T = 1 the centre is left to take off (`offset`), exactly, after the gathers.
-                x, offset = (z2[lo:hi], c) if raw else _load_(buf[: hi - lo], z2[lo:hi], temperature, c)
+                x, offset = (z2[lo:hi], c) if raw else load_(buf[: hi - lo], z2[lo:hi], temperature, c)
                 got = x.gather(1, gather_idx[lo:hi])
                 picked[lo:hi] = got if offset is None else got.to(cdtype) - offset[:, None]
                 into = buf.view(-1)[: (hi - lo) * vl].view(hi - lo, vl) if raw else None
-                lse_g, lse_l, logp = _lse_(x, shard, offset, into=into)
+                lse_g, lse_l, logp = lse_(x, shard, offset, into=into)
                 lse[lo:hi] = lse_g
                 if label is not None:  # -log q(label) (T = 1) from the fused log-softmax, as megatron's; owner only
                     lp = logp.gather(1, label.local[lo:hi, None])[:, 0]
@@ -309,8 +309,8 @@ class _SparseCE(torch.autograd.Function):
                 if ctx.temperature != 1.0:
                     x.div_(ctx.temperature)
             else:
-                x = _load_(buf[: hi - lo], z2[lo:hi], ctx.temperature, centre[lo:hi])[0]
-                if ctx.temperature == 1.0:  # _load_ left the raw logits (the centre was its offset)
+                x = load_(buf[: hi - lo], z2[lo:hi], ctx.temperature, centre[lo:hi])[0]
+                if ctx.temperature == 1.0:  # load_ left the raw logits (the centre was its offset)
                     x[:, :vl].sub_(c)
             x.exp_().mul_(coef[lo:hi, None])  # the student softmax, scaled
             x.scatter_add_(1, lidx[lo:hi], w_go[lo:hi].neg())

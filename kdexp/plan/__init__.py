@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
-from types import SimpleNamespace
 from typing import Any, Optional
 
 from kdexp.plan import sizing
@@ -104,12 +103,12 @@ def _precision(cfg) -> tuple[str, int, int, int]:
 
 
 def _chunk_rows(tokens: int, local_vocab: int) -> int:
-    """The KD loss's chunk height, from its own rule (kdexp.losses.logits._chunk_rows)."""
+    """The KD loss's chunk height, from its own rule (kdexp.losses.logits.chunk_rows)."""
     import torch
 
-    from kdexp.losses.logits import _chunk_rows as rows
+    from kdexp.losses.logits import chunk_rows
 
-    return rows(tokens, SimpleNamespace(max_local_vocab=local_vocab), torch.float32, None)
+    return chunk_rows(tokens, local_vocab, torch.float32)
 
 
 def _cache_layout(cfg, vocab: int):
