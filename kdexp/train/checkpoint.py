@@ -187,7 +187,12 @@ def save(ckpt_dir: Path, step: int, state: dict[str, Any], *, keep: int = 2) -> 
             if s not in kept:
                 shutil.rmtree(step_dir(ckpt_dir, s), ignore_errors=True)
 
-    _on_all_ranks(write if st.dp_rank == 0 else None, f"checkpoint step {step}", target)  # in place of a barrier
+    try:
+        _on_all_ranks(write if st.dp_rank == 0 else None, f"checkpoint step {step}", target)  # in place of a barrier
+    except Exception:
+        if st.rank == 0 and not _complete(ckpt_dir, step, st.tp_size):  # the other ranks' files of a step that
+            shutil.rmtree(target, ignore_errors=True)                    # failed: never resumed, so not kept
+        raise
     _on_all_ranks(commit if st.rank == 0 else None, f"checkpoint step {step}", ckpt_dir)
 
 
