@@ -116,6 +116,50 @@ def test_a_disk_fault_in_a_sweep_point_is_its_one_line_in_its_record_and_the_swe
         proc.stdout
 
 
+# kdexp.run where global rank 0's checkpoint file meets a full disk (torch.save's RuntimeError from ENOSPC).
+_RANK0_FULL_DISK = textwrap.dedent("""
+    import errno, os, sys
+    if os.environ.get("RANK") == "0":
+        import kdexp.train.checkpoint as ck
+        def full_disk(obj, path):
+            try:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            except OSError:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 10560 vs 10454")
+        ck._atomic_torch_save = full_disk
+    import kdexp.run
+    kdexp.run.cli()
+""")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_write_that_fails_on_rank_0_of_two_ends_both_ranks_with_its_line(env, tmp_path):
+    """TP=2, two processes started as a bare srun would (torchrun's variables, no torchrun to stop the other rank):
+    both exit 1 within the timeout (a rank left waiting fails the test), rank 0 prints the one line, rank 1 no
+    traceback (before: "Connection closed by peer" from the barrier over gloo, a wait until the time limit where
+    the failed rank stays up), and the step that failed leaves no files."""
+    from kdexp.distributed.testing import free_port
+
+    run_dir = tmp_path / "run"
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK0_FULL_DISK, *RUN, "parallel.tensor=2",
+                               f"hydra.run.dir={run_dir}"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [1, 1], [e[-3000:] for _, e in outs]
+    line = f"kdexp: error: cannot write {run_dir}/checkpoints/step_3: No space left on device (ENOSPC)"
+    assert [x for x in outs[0][1].splitlines() if x.startswith("kdexp:")] == [line]
+    assert "Traceback" not in outs[0][1] and "Traceback" not in outs[1][1], outs[1][1][-3000:]
+    assert not (run_dir / "checkpoints" / "step_3").exists()
+
+
 # --- the seams, in this process ------------------------------------------------------------------------------------
 def test_a_disk_fault_is_found_in_the_chain_and_named_with_its_path():
     try:
