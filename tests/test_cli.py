@@ -357,20 +357,3 @@ def test_data_too_small_for_seq_length_is_one_line_exit_2_before_any_model(env, 
     assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
     assert line.removeprefix("kdexp: error: ") in (run_dir / records.ERROR_LOG).read_text()
 
-
-@pytest.mark.slow
-def test_a_nucleus_that_overflows_the_cache_stops_before_the_first_step(env, tmp_path):
-    """loss=top_p teacher=cached: the whole cache is checked once it is built (kdexp.teacher.reader.check_nucleus),
-    before the student exists, not per batch at the step that meets an overflowing token."""
-    run_dir = tmp_path / "run"
-    r = kdexp(["experiment=smoke", "model.embedded_teacher=shipped", "logger=none", "loss=top_p", "teacher=cached",
-               "teacher.k_max=8", "loss.top_p=0.99", f"hydra.run.dir={run_dir}"], env, tmp_path)
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    assert "Traceback" not in r.stdout + r.stderr
-    line = r.stderr.splitlines()[-1]
-    assert re.fullmatch(r"kdexp: error: loss\.top_p=0\.99 does not fit in the teacher cache's top-8 \(teacher\.k_max=8\) "
-                        r"for \d+ of its 768 tokens \(their cached mass is below top_p, down to [0-9.e-]+\): build the "
-                        r"cache with teacher\.k_max >= \d+ \(a lower bound\), or bound the nucleus with "
-                        r"loss\.top_k <= 8, or use teacher=online; \S+", line), line
-    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
-    assert " step " not in (run_dir / records.RUN_LOG).read_text()
