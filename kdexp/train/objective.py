@@ -136,8 +136,14 @@ def _cached(cfg, data, model, *, fused: bool, layers=()):
         from kdexp.teacher.reader import check_nucleus
 
         started = time.perf_counter()
-        tokens = check_nucleus(cache, top_p=float(opts.top_p), temperature=float(opts.temperature),
-                               vocab=data.vocab_size)  # every token, before the student exists (ConfigError)
+        try:
+            tokens = check_nucleus(cache, top_p=float(opts.top_p), temperature=float(opts.temperature),
+                                   vocab=data.vocab_size)  # every token, before the student exists (ConfigError)
+        except ValueError:
+            if distributed.is_rank0():
+                log.info("stage teacher_cache: nucleus check (loss.top_p=%s, top-%d) took %.2f s", opts.top_p,
+                         cache.k_max, time.perf_counter() - started)
+            raise
         if distributed.is_rank0():
             log.info("stage teacher_cache: every cached token's nucleus (loss.top_p=%s) fits in its top-%d "
                      "(%d tokens checked in %.2f s)", opts.top_p, cache.k_max, tokens, time.perf_counter() - started)
