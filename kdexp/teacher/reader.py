@@ -6,7 +6,8 @@ process touches it, so a truncated or garbled file is a `CacheCorrupt` naming th
 `verify()` checks them all up front. A run opens its cache through kdexp.teacher.writer.ensure, which checks every
 shard before training (the ranks share the hashing), rebuilds the damaged ones and `trust`s the rest, so that the
 first-use check does not hash them again. `read(sample_index, temperature)` returns the stored record of those samples as
-tensors, whatever its record type (kdexp.teacher.format.decode_record).
+tensors, whatever its record type (kdexp.teacher.format.decode_record). `check_nucleus` checks, before training, that
+every cached token's nucleus (loss.top_p without loss.top_k) fits in its cached top-K_max.
 """
 from __future__ import annotations
 
