@@ -11,6 +11,11 @@ import math
 from typing import Any, Optional
 
 
+class ConfigError(ValueError):
+    """A config value that only the prepared data or the teacher cache shows to be wrong (data too small for
+    trainer.seq_length; a nucleus that overflows the cached top-K_max). Raised before the student is built and reported
+    as the checks' errors are: one line naming the keys, the values and the fix, exit status 2 (kdexp.run)."""
+
 
 def is_int(x: Any) -> bool:
     """An int that is not a bool (YAML ``true`` is not a count)."""

@@ -13,7 +13,8 @@ Exit status: 0 done; 1 a run that failed or diverged (a sweep with a failed poin
 directory (one line naming the path and the cause: kdexp.track.faults); 128 + N a run that signal N stopped after
 saving a checkpoint (143 for SIGTERM; kdexp.train.signals; the line says how to resume); 2 a user error: a bad command
 line, a config Hydra cannot compose (unknown key, wrong type, missing option) or a value ``kdexp.config.validate``
-rejects. A config error or a divergence in a single run prints one line, without a Python traceback. In a sweep the
+rejects, or one that only the prepared data or the teacher cache shows wrong (``kdexp.rules.ConfigError``: data too
+small for trainer.seq_length, a nucleus that overflows the cached top-K_max). A config error or a divergence in a single run prints one line, without a Python traceback. In a sweep the
 exception goes on to ``kdexp.track.sweep.SweepCallback``, which records the point as failed and lets the others run.
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from omegaconf import DictConfig
 
 import kdexp.conf  # noqa: F401  (registers the typed schema and the resolvers the YAML uses)
 import kdexp.config
+from kdexp.rules import ConfigError
 from kdexp.track import faults, records, rundir
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -168,6 +170,9 @@ def main(cfg: DictConfig):
     except Exception as err:
         if multirun:
             raise
+        if isinstance(err, ConfigError):  # the data or the teacher cache shows a value wrong: before the student
+            _single_run_failed(2, f"kdexp: error: {err}", run_dir, f"config error: {err}\n")
+            return None
         if _is_diverged(err):  # kdexp.train wrote summary.json (status diverged), run.log and error.log
             _single_run_failed(1, f"kdexp: {err}", run_dir, None)
             return None

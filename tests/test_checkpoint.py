@@ -312,3 +312,50 @@ def test_every_state_the_loop_saves_is_plain_and_a_foreign_object_is_refused_at_
         with pytest.raises(TypeError, match=rf"^checkpoint {re.escape(where)} "):
             ck.save(ckpt, 2, {**state(2), **bad})
     assert ck.steps_on_disk(ckpt) == [1]  # nothing written for the refused states
+
+
+def _rank0_cannot_write(rank, world_size, root):
+    """TP=2 over gloo: rank 0's checkpoint file meets a full disk (torch.save turns ENOSPC into a RuntimeError whose
+    context is the OSError), rank 1's write succeeds. Then both save the next step normally."""
+    import errno
+    from pathlib import Path
+
+    from kdexp import distributed
+    from kdexp.track import faults
+
+    distributed.initialize(tensor_parallel=2)
+    ckpt = Path(root) / "checkpoints"
+    real = ck._atomic_torch_save
+    if rank == 0:
+        def full_disk(obj, path):
+            try:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            except OSError:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 10560 vs 10454")
+        ck._atomic_torch_save = full_disk
+    try:
+        ck.save(ckpt, 3, state(3))
+        outcome = "saved"
+    except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
+        fault = faults.disk_fault(exc)
+        outcome = faults.describe(fault) if fault is not None else f"{type(exc).__name__}: {exc}"
+    ck._atomic_torch_save = real
+    mine = state(4)
+    mine["model"]["w"] = mine["model"]["w"] + rank  # each TP rank its own shard
+    ck.save(ckpt, 4, mine)  # the ranks are still in step: the next collective save works
+    return outcome, ck.latest_step(ckpt), ck.load(ckpt)["model"]["w"]
+
+
+@pytest.mark.slow
+def test_a_write_that_fails_on_one_tp_rank_stops_every_rank_with_its_cause_no_hang(tmp_path):
+    """Before, rank 1 waited at the save's barrier for rank 0 forever; now both raise rank 0's disk fault (the one
+    line names the path and the cause on either rank), nothing of step 3 is committed, and step 4 saves and loads."""
+    from kdexp.distributed.testing import run_on_processes
+
+    results = run_on_processes(_rank0_cannot_write, 2, args=(str(tmp_path),), timeout=180)  # a hang fails here
+    line = f"cannot write {tmp_path / 'checkpoints' / 'step_3'}: No space left on device (ENOSPC)"
+    assert [r[0] for r in results] == [line, line]
+    assert [r[1] for r in results] == [4, 4]
+    for rank, (_, _, w) in enumerate(results):  # each TP rank loads its own shard of step 4
+        assert torch.equal(w, state(4)["model"]["w"] + rank)
+    assert not (tmp_path / "checkpoints" / "step_3").exists()  # rank 1's file of the failed step is not kept

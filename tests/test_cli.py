@@ -336,3 +336,24 @@ def test_readme_sweep_line_verbatim(env, tmp_path):
         alphas.append(cfg["balancer"]["alpha"])
         assert f"balancer.alpha={cfg['balancer']['alpha']}" in summary["overrides"]
     assert alphas == [0.5, 0.9, 1.0]
+
+
+def test_data_too_small_for_seq_length_is_one_line_exit_2_before_any_model(env, tmp_path):
+    """Known only once the corpus is tokenized (kdexp.data.dataset._check_enough): checked right after the data step,
+    before the teacher or the student exists. 1000 characters hold ~108 validation tokens: fewer than one sample."""
+    run_dir = tmp_path / "run"
+    r = kdexp(["experiment=smoke", "logger=none", "data.max_chars=1000", "trainer.seq_length=512",
+               f"hydra.run.dir={run_dir}"], env, tmp_path)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stdout + r.stderr
+    line = r.stderr.splitlines()[-1]
+    assert re.fullmatch(r"kdexp: error: data too small for trainer\.seq_length=512: the (training|validation) split "
+                        r"holds \d+ tokens, fewer than one sample \(513 tokens\), so every sample would repeat the "
+                        r"same text; raise data\.\w+=\S+ .*or lower trainer\.seq_length to at most \d+", line), line
+    assert "data.max_chars=1000" in line
+    assert [x for x in r.stderr.splitlines() if x.startswith("kdexp: error")] == [line]
+    cache = Path(env["KDEXP_CACHE"])
+    assert not (cache / "teacher").exists() and not (cache / "teacher_cache").exists()  # no model was built
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
+    assert line.removeprefix("kdexp: error: ") in (run_dir / records.ERROR_LOG).read_text()
+

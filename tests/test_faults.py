@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import textwrap
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -74,6 +75,89 @@ def test_a_full_disk_is_one_line_exit_1_and_leaves_no_partial_file(env, tmp_path
             json.loads(line)  # no half line
         for step in (run_dir / "checkpoints").glob("step_*"):  # every step dir left is a committed checkpoint
             assert list(step.glob("tp*.json")), list(step.iterdir())
+
+
+# In a sweep: training replaced by what a full disk does to the first checkpoint of point 0 (torch.save's RuntimeError
+# whose context is the OSError, named by faults.writing as kdexp.train.loop does); point 1 finishes.
+_FULL_DISK_IN_A_SWEEP = textwrap.dedent("""
+    import errno, os, kdexp.run, kdexp.train.loop
+    from kdexp.track import faults
+    def distill(cfg, run_dir, **kwargs):
+        if cfg.trainer.seed == 1:
+            with faults.writing(f"{run_dir}/checkpoints/step_3"):
+                try:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                except OSError:
+                    raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 10560 vs 10454")
+        return {"train/loss": 1.0}, None
+    kdexp.train.loop.distill = distill
+    kdexp.run.cli()
+""")
+
+
+def test_a_disk_fault_in_a_sweep_point_is_its_one_line_in_its_record_and_the_sweeps_output(env, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    proc = subprocess.run([sys.executable, "-c", _FULL_DISK_IN_A_SWEEP, *RUN, "-m", "trainer.seed=1,2",
+                           f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    from kdexp.track import records
+
+    sweep = records.read_json(sweep_dir / records.SWEEP)
+    failed, done = sweep["points"]
+    line = f"cannot write {failed['run_dir']}/checkpoints/step_3: No space left on device (ENOSPC)"
+    assert (failed["status"], failed["error"]) == ("failed", line)
+    assert records.read_json(Path(failed["run_dir"]) / records.POINT)["error"] == line
+    assert line in (Path(failed["run_dir"]) / records.ERROR_LOG).read_text()
+    assert done["status"] == "finished"
+    assert f"kdexp: error: {line}" in proc.stderr.splitlines()
+    assert "Traceback" not in proc.stderr
+    assert any(x.startswith("[sweep] failed #0: ") and f": {line} (see " in x for x in proc.stdout.splitlines()), \
+        proc.stdout
+
+
+# kdexp.run where global rank 0's checkpoint file meets a full disk (torch.save's RuntimeError from ENOSPC).
+_RANK0_FULL_DISK = textwrap.dedent("""
+    import errno, os, sys
+    if os.environ.get("RANK") == "0":
+        import kdexp.train.checkpoint as ck
+        def full_disk(obj, path):
+            try:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            except OSError:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 10560 vs 10454")
+        ck._atomic_torch_save = full_disk
+    import kdexp.run
+    kdexp.run.cli()
+""")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_write_that_fails_on_rank_0_of_two_ends_both_ranks_with_its_line(env, tmp_path):
+    """TP=2, two processes started as a bare srun would (torchrun's variables, no torchrun to stop the other rank):
+    both exit 1 within the timeout (a rank left waiting fails the test), rank 0 prints the one line, rank 1 no
+    traceback (before: "Connection closed by peer" from the barrier over gloo, a wait until the time limit where
+    the failed rank stays up), and the step that failed leaves no files."""
+    from kdexp.distributed.testing import free_port
+
+    run_dir = tmp_path / "run"
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK0_FULL_DISK, *RUN, "parallel.tensor=2",
+                               f"hydra.run.dir={run_dir}"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE,
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+             for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [1, 1], [e[-3000:] for _, e in outs]
+    line = f"kdexp: error: cannot write {run_dir}/checkpoints/step_3: No space left on device (ENOSPC)"
+    assert [x for x in outs[0][1].splitlines() if x.startswith("kdexp:")] == [line]
+    assert "Traceback" not in outs[0][1] and "Traceback" not in outs[1][1], outs[1][1][-3000:]
+    assert not (run_dir / "checkpoints" / "step_3").exists()
 
 
 # --- the seams, in this process ------------------------------------------------------------------------------------
@@ -142,3 +226,20 @@ def test_probe_names_a_directory_that_cannot_be_created(tmp_path):
     with pytest.raises(OSError):  # not a disk fault (ENOTDIR): a real error, not hidden
         faults.probe(tmp_path / "file" / "run")
     assert faults.probe(tmp_path / "ok" / "run") is None and not list((tmp_path / "ok" / "run").iterdir())
+
+
+def test_a_point_whose_records_the_full_disk_refuses_still_returns_its_line(tmp_path, monkeypatch):
+    """record_failure on a disk that takes neither error.log nor point.json: the entry it returns (which the sweep
+    prints and hands to Hydra) still carries the one line, and nothing half-written is left."""
+    from kdexp.track import points, records
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "point.json"))
+
+    monkeypatch.setattr(records, "write_json", full)
+    monkeypatch.setattr(records, "write_error", full)
+    fault = OSError(errno.EROFS, os.strerror(errno.EROFS), str(tmp_path / "checkpoints"))
+    point = points.record_failure(tmp_path, fault)
+    assert point["status"] == "failed"
+    assert point["error"] == f"cannot write {tmp_path / 'checkpoints'}: Read-only file system (EROFS)"
+    assert not list(tmp_path.iterdir())

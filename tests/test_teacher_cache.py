@@ -260,3 +260,31 @@ def test_tp2_and_dp2_builds_equal_the_single_process_build(tmp_path, record):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     dp2 = sorted(p.name for p in (tmp_path / "tp1").glob("shard-*.json"))
     assert dp2 == [f"shard-{j:05d}.json" for j in range(4)]
+
+
+@pytest.mark.parametrize("values", ["float32", "bfloat16"])
+def test_the_whole_cache_is_checked_for_a_nucleus_that_overflows(tmp_path, values):
+    """kdexp.teacher.reader.check_nucleus, run before training: over every shard, the same count and K_max bound the
+    per-batch rule (check_nucleus_fits) gives on all the cache's tokens at once; none when every nucleus fits."""
+    from kdexp.losses.cached import check_nucleus_fits
+    from kdexp.rules import ConfigError
+    from kdexp.teacher.reader import check_nucleus
+
+    cache = _build(tmp_path / "c", values)
+    n = w.SAMPLES * w.SEQ
+    for ti, temp in enumerate(w.TEMPS):
+        vals, _, lse, rest = (x.flatten(0, 1) for x in cache.read(list(range(w.SAMPLES)), temp))
+        mass = -torch.expm1(rest.double() - lse.double())  # an independent reading of the cached mass
+        top_p = float(mass.median())  # about half the tokens overflow, spread over every shard
+        over = int((mass < top_p).sum())
+        assert 0 < over < n
+        with pytest.raises(ValueError, match=r"teacher.k_max >= (\d+)") as per_batch:
+            check_nucleus_fits(vals, lse, rest, top_p, temp, w.VOCAB)
+        bound = per_batch.value.args[0].split("teacher.k_max >= ")[1].split()[0]
+        with pytest.raises(ConfigError) as err:
+            check_nucleus(cache, top_p=top_p, temperature=temp, vocab=w.VOCAB)
+        line = str(err.value)
+        assert "\n" not in line and line.startswith(f"loss.top_p={top_p} does not fit in the teacher cache's top-12 "
+                                                    f"(teacher.k_max=12) for {over} of its {n} tokens")
+        assert f"build the cache with teacher.k_max >= {bound} (a lower bound)" in line
+        assert check_nucleus(cache, top_p=float(mass.min()) * 0.999, temperature=temp, vocab=w.VOCAB) == n

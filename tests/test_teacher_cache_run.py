@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,6 +98,24 @@ def test_cli_config_error_exits_2(env, tmp_path):
     proc = _run(["teacher=cached", "loss=dense", *SMOKE], env, tmp_path)
     assert proc.returncode == 2 and "kdexp: error: loss.top_k=None is invalid" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not (Path(env["KDEXP_CACHE"]) / "teacher_cache").exists()
+
+
+@pytest.mark.slow
+def test_a_nucleus_that_overflows_the_cache_stops_before_the_first_step(env, tmp_path):
+    """loss=top_p teacher=cached: the whole cache is checked once it is built (kdexp.teacher.reader.check_nucleus),
+    before the student exists, not per batch at the step that meets an overflowing token."""
+    run_dir = tmp_path / "run"
+    r = _run([*SMOKE, "model.embedded_teacher=shipped", "loss=top_p", "teacher=cached", "teacher.k_max=8",
+              "loss.top_p=0.99", f"teacher.path={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}"], env, tmp_path)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stdout + r.stderr
+    line = r.stderr.splitlines()[-1]
+    assert re.fullmatch(r"kdexp: error: loss\.top_p=0\.99 does not fit in the teacher cache's top-8 \(teacher\.k_max=8\) "
+                        r"for \d+ of its 768 tokens \(their cached mass is below top_p, down to [0-9.e-]+\): build the "
+                        r"cache with teacher\.k_max >= \d+ \(a lower bound\), or bound the nucleus with "
+                        r"loss\.top_k <= 8, or use teacher=online; " + re.escape(str(tmp_path / "cache")), line), line
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+    assert " step " not in (run_dir / "run.log").read_text()
 
 
 @pytest.mark.slow

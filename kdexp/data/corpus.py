@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from kdexp.rules import ConfigError
+
 __all__ = ["Document", "embedded_corpus", "embedded_documents", "corpus_fingerprint"]
 
 # No defaults for the sizes here: data.max_chars / data.val_fraction / data.max_documents of the schema
@@ -108,7 +110,7 @@ def embedded_corpus(max_chars: int, val_fraction: float, max_documents: int | No
         chosen.append(doc)
         total += len(doc.text)
     if len(chosen) < 2:
-        raise ValueError(f"data.max_chars={max_chars} leaves fewer than 2 documents; raise it")
+        raise ConfigError(f"data.max_chars={max_chars} leaves fewer than 2 documents; raise it")
     chosen.sort(key=lambda d: d.name)
     # Validation = documents in split-hash order until they hold val_fraction of the characters: by document
     # (no file is cut in two), and sized by text rather than by file count (file sizes vary 1000-fold).

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 import torch
 
 from kdexp.data import cache as _cache
-from kdexp.rules import is_int
+from kdexp.rules import ConfigError, is_int
 from kdexp.data.sources import file_id, indexed_sources, stdlib_sources, train_valid_split
 from kdexp.data.tokenizer import Tokenizer
 
@@ -68,6 +68,47 @@ def _check_positive(name: str, value: Any, allow_none: bool = False) -> None:
         return
     if not is_int(value) or value < 1:
         raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------------- size check
+
+def _passes(ds) -> list:
+    """(megatron dataset, tokens in one pass over it) for a split's GPTDataset, or each of a blend's."""
+    parts = getattr(ds, "datasets", None) or [ds]
+    return [(p, int(p.dataset.sequence_lengths[p.indices].sum())) for p in parts]
+
+
+def _fix(data_cfg, split: str) -> str:
+    """Which data keys make a split bigger, with their values."""
+    if data_cfg.name == "stdlib":
+        share = "data.val_fraction" if split == "validation" else "data.max_chars"
+        return (f"raise {share}={getattr(data_cfg, share.split('.')[1])!r}" +
+                (f" or data.max_chars={data_cfg.max_chars!r}" if split == "validation" else "") +
+                (f" or lift data.max_documents={data_cfg.max_documents!r}" if data_cfg.max_documents else ""))
+    keys = "data.valid_prefixes" if split == "validation" and data_cfg.valid_prefixes else "data.prefixes"
+    return f"give more data in {keys}" + ("" if data_cfg.valid_prefixes else f" or change data.split={data_cfg.split!r}")
+
+
+def _check_enough(train_ds, val_ds, seq_length: int, train_samples: int, data_cfg) -> None:
+    """ConfigError (exit 2, one line) when a split cannot fill one sample of `seq_length` + 1 tokens from one pass
+    over its documents: megatron would repeat the same text inside every sample (a silent wrong job), or give too
+    few samples. Known only once the corpus is tokenized, so checked here, before any model is built."""
+    need = seq_length + 1  # a sample: seq_length inputs and the label of the last one
+    for split, ds in (("training", train_ds), ("validation", val_ds)):
+        if ds is None or len(ds) == 0 or (split == "training" and len(ds) < train_samples):
+            have = 0 if ds is None else len(ds)
+            raise ConfigError(f"data too small for trainer.seq_length={seq_length}: the {split} data gives {have} "
+                              f"samples (needs {train_samples if split == 'training' else 1}); "
+                              f"{_fix(data_cfg, split)}, or lower trainer.seq_length")
+    passes = [(split, part, tokens) for split, ds in (("training", train_ds), ("validation", val_ds))
+              for part, tokens in _passes(ds)]
+    split, part, tokens = min(passes, key=lambda p: p[2])
+    if tokens < need:
+        where = "" if data_cfg.name == "stdlib" else f" ({part.dataset_path})"
+        raise ConfigError(f"data too small for trainer.seq_length={seq_length}: the {split} split{where} holds "
+                          f"{tokens} tokens, fewer than one sample ({need} tokens), so every sample would repeat "
+                          f"the same text; {_fix(data_cfg, split)}, or lower trainer.seq_length to at most "
+                          f"{max(tokens - 1, 1)}")
 
 
 # ---------------------------------------------------------------------------------------------------- prepare
@@ -149,12 +190,7 @@ def prepare(data_cfg, *, seq_length: int, cache_dir=None, seed: int = 1234, trai
     else:
         with _cache.file_lock(index_cache / ".lock"), _single_process_group(weighted and dist is None):
             train_ds, val_ds, _ = builder.build()
-    if train_ds is None or len(train_ds) < train_samples:
-        raise ValueError(f"training data gives {0 if train_ds is None else len(train_ds)} samples of "
-                         f"seq_length={seq_length}, fewer than train_samples={train_samples}")
-    if val_ds is None or len(val_ds) == 0:
-        raise ValueError(f"validation data gives no sample of seq_length={seq_length}: lower seq_length or "
-                         f"raise data.val_fraction / data.split")
+    _check_enough(train_ds, val_ds, seq_length, train_samples, data_cfg)
     info.update(train_samples=len(train_ds), val_samples=len(val_ds), gpt_index=str(index_cache))
     fingerprint = _cache.cache_key({"tokenizer": tokenizer.sha256, "eod": tokenizer.eod, "data": data_id,
                                     "seq_length": int(seq_length), "seed": int(seed)})

@@ -170,6 +170,26 @@ def cached_kd_loss(
     return shaped(out, stats[0] if return_stats else None, lead)
 
 
+def nucleus_overflow(lse: torch.Tensor, lse_rest: torch.Tensor, top_p: float, temperature: float, k_max: int,
+                     vocab: int, last_values) -> tuple[int, float, int] | None:
+    """The rule of `check_nucleus_fits` over any tokens: None when every token's nucleus lies within its cached
+    top-K_max, else (how many tokens overflow, their smallest cached mass, a lower bound on the K_max that would serve
+    them). `last_values(short)` gives the last cached (centred) value of the tokens in the bool mask `short`: read
+    only for those, so a scan over a whole cache (kdexp.teacher.reader.check_nucleus) reads no more of the values."""
+    if lse.numel() == 0 or k_max >= vocab:
+        return None
+    lz = lse.double()
+    mass = -torch.expm1(lse_rest.double() - lz)  # the cached top-K_max's share of the teacher's mass
+    short = mass < top_p
+    count = int(short.sum())
+    if not count:
+        return None
+    last = (last_values(short).double() / temperature - lz[short]).exp()  # the smallest cached probability
+    need = k_max + torch.ceil((top_p - mass[short]) / last.clamp_min(1e-300))
+    at_least = int(min(vocab, need.max().item())) if bool(torch.isfinite(need).all()) else vocab
+    return count, float(mass[short].min()), at_least
+
+
 def check_nucleus_fits(values: torch.Tensor, lse: torch.Tensor, lse_rest: torch.Tensor, top_p: float,
                        temperature: float, vocab: int) -> None:
     """ValueError unless every token's nucleus lies within its cached top-K_max: the cached mass, 1 - exp(lse_rest -
@@ -178,18 +198,11 @@ def check_nucleus_fits(values: torch.Tensor, lse: torch.Tensor, lse_rest: torch.
     a lower bound, since an entry beyond K_max has at most the probability of the last cached one (the cache knows
     no more of the rest than its total)."""
     n, k_max = values.shape
-    if n == 0 or k_max >= vocab:
+    over = nucleus_overflow(lse, lse_rest, top_p, temperature, k_max, vocab, lambda short: values[short, -1])
+    if over is None:
         return
-    lz = lse.double()
-    mass = -torch.expm1(lse_rest.double() - lz)  # the cached top-K_max's share of the teacher's mass
-    short = mass < top_p
-    count = int(short.sum())
-    if not count:
-        return
-    last = (values[short, -1].double() / temperature - lz[short]).exp()  # the smallest cached probability
-    need = k_max + torch.ceil((top_p - mass[short]) / last.clamp_min(1e-300))
-    at_least = int(min(vocab, need.max().item())) if bool(torch.isfinite(need).all()) else vocab
+    count, low, at_least = over
     raise ValueError(f"the nucleus top_p={top_p} does not fit in the cached top-{k_max} for {count} of {n} tokens "
-                     f"(their cached mass is below top_p, down to {float(mass[short].min()):.4g}): a cache with "
+                     f"(their cached mass is below top_p, down to {low:.4g}): a cache with "
                      f"teacher.k_max >= {at_least} (a lower bound) might serve them, or bound the nucleus with "
                      f"loss.top_k <= {k_max}, or use teacher=online")

@@ -6,7 +6,8 @@ process touches it, so a truncated or garbled file is a `CacheCorrupt` naming th
 `verify()` checks them all up front. A run opens its cache through kdexp.teacher.writer.ensure, which checks every
 shard before training (the ranks share the hashing), rebuilds the damaged ones and `trust`s the rest, so that the
 first-use check does not hash them again. `read(sample_index, temperature)` returns the stored record of those samples as
-tensors, whatever its record type (kdexp.teacher.format.decode_record).
+tensors, whatever its record type (kdexp.teacher.format.decode_record). `check_nucleus` checks, before training, that
+every cached token's nucleus (loss.top_p without loss.top_k) fits in its cached top-K_max.
 """
 from __future__ import annotations
 
@@ -127,3 +128,36 @@ class TeacherCache:
             return out
         moved = [t.to(device, non_blocking=True) for t in out]
         return type(out)(*moved) if hasattr(out, "_fields") else tuple(moved)
+
+
+def check_nucleus(cache: TeacherCache, *, top_p: float, temperature: float, vocab: int) -> int:
+    """Before training (kdexp.train.objective, right after the cache is built or verified): every cached token's
+    nucleus must lie within its cached top-K_max, by the rule the loss applies per batch
+    (kdexp.losses.cached.nucleus_overflow), so that an overflow stops the run before its first step, not at the step
+    that meets it. ConfigError (exit 2, one line) naming how many tokens overflow and a lower bound on the K_max that
+    would serve them. Reads each shard's log-sum-exps (8 bytes per token and temperature) and, for overflowing tokens
+    only, their last cached value. Returns the number of tokens checked."""
+    from kdexp.losses.cached import nucleus_overflow
+    from kdexp.rules import ConfigError
+
+    lay, ti = cache.layout, cache.temperature_index(temperature)
+    tokens, count, low, need = 0, 0, 1.0, 0
+    for j in range(lay.shards):
+        parts = cache._shard(j)
+        lse = torch.from_numpy(np.array(parts["lse"][..., ti, :], dtype=np.float32)).reshape(-1, 2)  # a copy
+        values = parts["values"].reshape(-1, lay.k_max)  # a memmap: rows are read only when indexed
+
+        def last(short: torch.Tensor, values=values) -> torch.Tensor:
+            rows = np.flatnonzero(short.numpy())
+            return fmt.decode_values(values[rows, -1], lay.values).reshape(-1)
+
+        over = nucleus_overflow(lse[:, 0], lse[:, 1], top_p, temperature, lay.k_max, vocab, last)
+        tokens += lse.shape[0]
+        if over is not None:
+            count, low, need = count + over[0], min(low, over[1]), max(need, over[2])
+    if count:
+        raise ConfigError(f"loss.top_p={top_p} does not fit in the teacher cache's top-{lay.k_max} (teacher.k_max="
+                          f"{lay.k_max}) for {count} of its {tokens} tokens (their cached mass is below top_p, down "
+                          f"to {low:.4g}): build the cache with teacher.k_max >= {need} (a lower bound), or bound the "
+                          f"nucleus with loss.top_k <= {lay.k_max}, or use teacher=online; {cache.path}")
+    return tokens

@@ -29,7 +29,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from kdexp.distributed.launch import global_rank
-from kdexp.track import records
+from kdexp.track import faults, records
 from kdexp.track.hydra_adapter import is_multirun, job_exception, job_value, keep_going_past, plan_points
 from kdexp.track.naming import run_name, sweep_keys
 from kdexp.track.points import (end_lines, progress_line, rebuild_sweep, record_failure, record_point,
@@ -126,13 +126,23 @@ class SweepCallback(Callback):
         if not is_multirun(config.hydra):
             return
         exc = job_exception(job_return)
-        if exc is not None:  # every rank: the traceback goes to this task's log (submitit keeps one per task)
-            sys.stderr.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
-        point = self._record_end(config, job_return, exc) if global_rank() == 0 else None
+        line = faults.one_line(exc)  # a full disk, a read-only dir: one line naming the path and the cause
+        if line is not None and global_rank() == 0:
+            print(f"kdexp: error: {line}", file=sys.stderr, flush=True)
+        elif exc is not None and line is None:  # every rank: the traceback goes to this task's log (submitit: one
+            sys.stderr.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))  # per task)
+        point = None
+        try:
+            point = self._record_end(config, job_return, exc) if global_rank() == 0 else None
+        except OSError as err:  # sweep.json on a full disk: say so in one line and let the other points go on
+            if faults.disk_fault(err) is None:
+                raise
+            print(f"kdexp: error: {faults.describe(err)} (the sweep's records of this point)", file=sys.stderr,
+                  flush=True)
         self._beat(Path(config.hydra.runtime.output_dir), False)
         if exc is not None and self.keep_going:
             status = (point or {}).get("status", "failed")
-            keep_going_past(job_return, {"status": status, "error": f"{type(exc).__name__}: {exc}"})
+            keep_going_past(job_return, {"status": status, "error": line or f"{type(exc).__name__}: {exc}"})
 
     def _record_end(self, config: DictConfig, job_return: Any, exc: Optional[BaseException]) -> Optional[dict]:
         run_dir = Path(config.hydra.runtime.output_dir)

@@ -5,6 +5,7 @@ temp file then renamed, metrics.jsonl drops a half-written line, a checkpoint st
 
 - `disk_fault(exc)` finds such an OSError anywhere in an exception's chain (torch.save turns ENOSPC into a
   RuntimeError "unexpected pos" whose context is the OSError);
+- `one_line(exc)`: that line for an exception (a sweep records it as the point's error and prints it: kdexp.track);
 - `writing(path)` names the path on an OSError that has none (a failed ``write()`` carries no file name);
 - `WritableDirs`, a Hydra callback, tries the run (or sweep) directory before Hydra creates it and writes its config
   there: a read-only directory, a directory that cannot be created or a disk that cannot take 64 KiB stops the run
@@ -51,6 +52,12 @@ def describe(err: OSError, path: Any = None) -> str:
     where = err.filename if err.filename is not None else path
     code = errno.errorcode.get(err.errno, str(err.errno))
     return f"cannot write {where if where is not None else '<unknown path>'}: {os.strerror(err.errno)} ({code})"
+
+
+def one_line(exc: Optional[BaseException]) -> Optional[str]:
+    """`describe` of the disk fault in `exc`'s chain (a single run's line, a sweep point's error), else None."""
+    fault = disk_fault(exc)
+    return None if fault is None else describe(fault)
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional
 
 from kdexp.distributed.launch import global_rank
-from kdexp.track import records
+from kdexp.track import faults, records
 from kdexp.track.hydra_adapter import current_job, is_multirun
 from kdexp.track.naming import run_name
 from kdexp.track.rundir import sweep_dir as hydra_sweep_dir
@@ -68,6 +68,9 @@ def record_failure(run_dir: str | Path, exc: BaseException) -> Optional[dict]:
     if global_rank() != 0:
         return None
     run_dir = Path(run_dir)
+    line = faults.one_line(exc)
+    if line is not None:  # a full disk, a read-only dir: the one line, not a traceback; that disk may not take it
+        return _record_disk_fault(run_dir, line)
     summary = records.read_json(run_dir / records.SUMMARY)
     diverged = records.ended_status(summary) == "diverged"
     what = "point diverged" if diverged else "point failed"
@@ -78,6 +81,20 @@ def record_failure(run_dir: str | Path, exc: BaseException) -> Optional[dict]:
                             error=summary.get("error") or f"{type(exc).__name__}: {exc}", ended=records.now(),
                             step=summary.get("step"))
     return record_point(run_dir, "failed", error=f"{type(exc).__name__}: {exc}", ended=records.now())
+
+
+def _record_disk_fault(run_dir: Path, line: str) -> dict:
+    """point.json "failed" with `line` as its error (and error.log / run.log), as far as the disk takes them; the
+    entry is returned either way, so that the sweep's output carries the line (kdexp.track.callback)."""
+    point = {"run_dir": str(run_dir), "status": "failed", "error": line}
+    for write in (lambda: records.write_error(run_dir, "point failed", line + "\n", replace=False),
+                  lambda: point.update(record_point(run_dir, "failed", error=line, ended=records.now()) or {})):
+        try:
+            write()
+        except OSError as err:
+            if faults.disk_fault(err) is None:
+                raise
+    return point
 
 
 def set_aside_error_log(run_dir: str | Path, attempt: int) -> None:

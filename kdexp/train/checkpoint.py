@@ -4,8 +4,11 @@ Layout: ``checkpoints/step_<N>/tp<r>.pt`` (one file per TP rank; data-parallel r
 rank 0 writes), beside it ``tp<r>.json`` = {"file", "bytes", "sha256", "step"}, and ``checkpoints/latest`` holding N.
 
 Writing: every TP rank writes ``tp<r>.pt`` through a temp file + fsync + os.replace, then its manifest the same way
-(the manifest is the commit mark of its file), a barrier, then global rank 0 replaces ``latest`` and rotates.
-A run killed at any moment therefore leaves either a complete step or a file without a manifest (never trusted).
+(the manifest is the commit mark of its file), then global rank 0 replaces ``latest`` and rotates. After each of the
+two parts the ranks agree on the outcome (one int all-reduce, in place of a barrier): a write that fails on one rank
+(a full disk on one node) makes every rank raise that rank's error, so no rank waits for it forever and rank 0 names
+the path and the cause (kdexp.track.faults). A run killed at any moment leaves either a complete step or a file
+without a manifest (never trusted).
 
 Reading: candidates are ``latest`` and then every older step dir, newest first (all step dirs when ``latest`` is
 missing or garbage, with a warning). A step dir without any manifest that ``latest`` does not name is a save killed
@@ -41,8 +44,7 @@ import torch.distributed as dist
 
 from kdexp import distributed
 from kdexp.data.cache import sha256_file
-from kdexp.distributed import barrier
-from kdexp.track import records
+from kdexp.track import faults, records
 
 log = logging.getLogger("kdexp")
 
@@ -172,18 +174,60 @@ def save(ckpt_dir: Path, step: int, state: dict[str, Any], *, keep: int = 2) -> 
     st = distributed.state()
     ckpt_dir = Path(ckpt_dir)
     target = step_dir(ckpt_dir, step)
-    if st.dp_rank == 0:
+
+    def write() -> None:
         target.mkdir(parents=True, exist_ok=True)
         write_file(target / f"tp{st.tp_rank}.pt", state, step)
-    barrier()
-    if st.rank == 0:
+
+    def commit() -> None:
         _atomic_write(ckpt_dir / "latest", lambda f: f.write(f"{step}\n".encode()))
         older = [s for s in steps_on_disk(ckpt_dir) if s < step and _complete(ckpt_dir, s, st.tp_size)]
         kept = {step, *(older[-(keep - 1):] if keep > 1 else [])}
         for s in steps_on_disk(ckpt_dir):
             if s not in kept:
                 shutil.rmtree(step_dir(ckpt_dir, s), ignore_errors=True)
-    barrier()
+
+    try:
+        _on_all_ranks(write if st.dp_rank == 0 else None, f"checkpoint step {step}", target)  # in place of a barrier
+    except Exception:
+        if st.rank == 0 and not _complete(ckpt_dir, step, st.tp_size):  # the other ranks' files of a step that
+            shutil.rmtree(target, ignore_errors=True)                    # failed: never resumed, so not kept
+        raise
+    _on_all_ranks(commit if st.rank == 0 else None, f"checkpoint step {step}", ckpt_dir)
+
+
+def _on_all_ranks(part, what: str, path: Path) -> None:
+    """Run this rank's `part` of a save (None: nothing to write here), then agree with every rank on the outcome
+    before going on: one int MAX all-reduce when all went well. Where a plain barrier would leave the other ranks
+    waiting forever for a rank whose write raised (a full disk on one node), every rank raises: the failed rank its
+    own error, the others the first failed rank's disk fault rebuilt as an OSError with the same errno and path (so
+    kdexp.track.faults names it in the one line on rank 0, whichever rank met it), or a RuntimeError naming it."""
+    err: Optional[Exception] = None
+    try:
+        if part is not None:
+            with faults.writing(path):  # a failed write() names no file: `path` then
+                part()
+    except Exception as exc:  # noqa: BLE001 - told to every rank below, then raised here; BaseException just ends
+        err = exc
+    if _world() == 1:
+        if err is not None:
+            raise err
+        return
+    flag = torch.tensor([int(err is not None)], device=distributed.state().device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        return
+    fault = faults.disk_fault(err)
+    mine = None if err is None else (
+        ("disk", fault.errno, fault.strerror, fault.filename) if fault is not None else
+        ("other", f"{type(err).__name__}: {err}"))
+    every = _gather(mine)
+    if err is not None:
+        raise err
+    rank, told = next((r, t) for r, t in enumerate(every) if t is not None)
+    if told[0] == "disk":
+        raise OSError(told[1], told[2], told[3])
+    raise RuntimeError(f"{what} failed on rank {rank}: {told[1]}")
 
 
 def _committed(ckpt_dir: Path, step: int) -> bool:

@@ -20,6 +20,8 @@ tokens. Token normalisation as Megatron's: per-token values weighed by loss_mask
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 from typing import Any, Callable, NamedTuple, Optional
 
 import torch
@@ -30,6 +32,8 @@ from kdexp.losses import KDLossOptions, SampledKDOptions
 # (logged as train/<name>); the fused head's own type.
 from kdexp.losses.head import ChunkLoss, fused_head_loss, head_chunk_rows, teacher_head_logits
 from kdexp.train import objectives
+
+log = logging.getLogger("kdexp")
 
 
 class ObjectiveResult(NamedTuple):
@@ -126,7 +130,24 @@ def _online(cfg, data, model, *, fused: bool, layers=()):
 def _cached(cfg, data, model, *, fused: bool, layers=()):
     from kdexp.teacher.writer import ensure
 
-    return CachedTeacher(ensure(cfg, data, model))  # one teacher pass into the cache (skipped when it exists)
+    cache = ensure(cfg, data, model)  # one teacher pass into the cache (skipped when it exists)
+    opts = KDLossOptions.from_config(cfg.loss)
+    if cache.layout.record == "topk" and opts.top_k is None and not opts.dense:  # a nucleus served from top-K_max
+        from kdexp.teacher.reader import check_nucleus
+
+        started = time.perf_counter()
+        try:
+            tokens = check_nucleus(cache, top_p=float(opts.top_p), temperature=float(opts.temperature),
+                                   vocab=data.vocab_size)  # every token, before the student exists (ConfigError)
+        except ValueError:
+            if distributed.is_rank0():
+                log.info("stage teacher_cache: nucleus check (loss.top_p=%s, top-%d) took %.2f s", opts.top_p,
+                         cache.k_max, time.perf_counter() - started)
+            raise
+        if distributed.is_rank0():
+            log.info("stage teacher_cache: every cached token's nucleus (loss.top_p=%s) fits in its top-%d "
+                     "(%d tokens checked in %.2f s)", opts.top_p, cache.k_max, tokens, time.perf_counter() - started)
+    return CachedTeacher(cache)
 
 
 TEACHERS: dict[str, Callable] = {"online": _online, "cached": _cached}
