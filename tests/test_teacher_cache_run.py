@@ -192,7 +192,7 @@ def _same_run(a: Path, b: Path, rel: float) -> None:
 @pytest.mark.parametrize("record", ["topk", "sampled"])
 def test_torchrun_tp2_from_the_cache_matches_tp1(record, cached_run, env, tmp_path):
     """TP=2 trains from the TP=1 run's cache (the key holds no TP size: one cache serves every TP) to its metrics
-    within 1e-4; a TP=2 run that builds its own cache (teacher.path: its TP ranks gather the top-K / make the draws
+    within 1e-4 (Top-K with the fused head too, within 1e-5); a TP=2 run that builds its own cache (teacher.path: its TP ranks gather the top-K / make the draws
     together) holds the same records up to the TP teacher's float rounding."""
     from kdexp.teacher import TeacherCache
 
@@ -201,6 +201,10 @@ def test_torchrun_tp2_from_the_cache_matches_tp1(record, cached_run, env, tmp_pa
                        torchrun=2)
     assert f"stage teacher_cache: reusing {_cache_dir(env, record)}" in shared.stdout + shared.stderr
     _same_run(tmp_path / "tp2", tp1, rel=1e-4)
+    if record == "topk":  # the fused head at TP 2 from the same cache: TP 1's numbers (measured ~1e-7 apart)
+        kdexp_run([*CACHED[record], "parallel.tensor=2", "loss.fused_head=true",
+                   f"hydra.run.dir={tmp_path / 'tp2_fused'}"], env, tmp_path, torchrun=2)
+        _same_run(tmp_path / "tp2_fused", tp1, rel=1e-5)
 
     built = kdexp_run([*CACHED[record], "parallel.tensor=2", f"teacher.path={tmp_path / 'cache'}",
                        f"hydra.run.dir={tmp_path / 'tp2_built'}"], env, tmp_path, torchrun=2)

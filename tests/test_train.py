@@ -141,18 +141,26 @@ def test_sigterm_mid_step_checkpoints_that_step_and_the_printed_command_resumes_
     assert [comparable(x) for x in metrics(run_dir, "train")] == [comparable(x) for x in metrics(reference, "train")]
 
 
-def test_torchrun_tensor_parallel_2_matches_tp1(smoke_run, env, tmp_path):
+TP2 = {"whole logits": ("loss.fused_head=false",), "fused head": ("loss.fused_head=true",),
+       "fused head, SP": ("loss.fused_head=true", "parallel.sequence=true")}
+
+
+@pytest.mark.parametrize("overrides", TP2.values(), ids=TP2.keys())
+def test_torchrun_tensor_parallel_2_matches_tp1(smoke_run, env, tmp_path, overrides):
+    """TP 2 (whole logits, the fused head, the fused head under sequence parallelism) against the TP 1 smoke run on
+    the default path: every step's losses and the final metrics within 1e-5 relative (measured ~1e-7: only the
+    summation order of the TP reductions differs), and the exported weights gathered from the two shards."""
     reference, _ = smoke_run
     run_dir = tmp_path / "tp2"
-    kdexp_run([*SMOKE, f"hydra.run.dir={run_dir}", "parallel.tensor=2", "logger=none", "trainer.export_hf=true"],
-              env, tmp_path, torchrun=2)
+    kdexp_run([*SMOKE, f"hydra.run.dir={run_dir}", "parallel.tensor=2", "logger=none", "trainer.export_hf=true",
+               *overrides], env, tmp_path, torchrun=2)
     tp2, tp1 = metrics(run_dir, "train"), metrics(reference, "train")
     assert len(tp2) == len(tp1) == 6
     for a, b in zip(tp2, tp1):
         for key in ("train/loss", "train/lm_loss", "train/kd_loss", "train/kept_mass"):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
     assert comparable(summary(run_dir)["final"]) == pytest.approx(comparable(summary(reference)["final"]),
-                                                                  rel=1e-4, abs=1e-5)
+                                                                  rel=1e-5, abs=1e-6)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tp2"]  # one run dir for both ranks
     from safetensors.torch import load_file
 

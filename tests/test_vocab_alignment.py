@@ -145,3 +145,77 @@ def test_a_run_distils_between_padded_checkpoints(ckpts, env, tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     final = json.loads((tmp_path / "run" / "summary.json").read_text())["final"]
     assert all(math.isfinite(v) for k, v in final.items() if isinstance(v, float)), final
+
+
+def _aligned_step(paths, fused: bool, coefficients) -> dict:
+    """One KD (Top-K 32 + ghost, fused LM) + LM step between the padded teacher (320 rows cut to 288) and the
+    288-row student, both masked beyond the tokenizer's 256 ids, through the objective: the loss, the eval metrics
+    and the student's gradients (gathered over TP)."""
+    from megatron.core import parallel_state as ps
+
+    import kdexp.distributed as kd
+    from kdexp.config import LossConfig
+    from kdexp.losses import KDLossOptions
+    from kdexp.models import read_config, spec_from_hf
+    from kdexp.models.hf import _gather_tp, _hf_tensors
+    from kdexp.train import objective
+
+    teacher = load_hf(paths["padded"], vocab_size=288, real_vocab=REAL)
+    teacher.requires_grad_(False)
+    student = load_hf(paths["student"], real_vocab=REAL)
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, REAL, (2, 16), generator=g)
+    batch = {"tokens": tokens, "labels": torch.roll(tokens, -1, 1),
+             "loss_mask": (torch.rand(2, 16, generator=g) > 0.2).float()}
+    loss_cfg = LossConfig(top_k=32)
+    term = objective.LogitTerm(KDLossOptions.from_config(loss_cfg))
+    source = objective.OnlineTeacher(teacher, fused=fused)
+    obj = objective.Objective(loss_cfg, source, term, fused=fused, fuses_lm=term.fuses_lm, coefficients=coefficients,
+                              eval_teacher=source)
+    denom = batch["loss_mask"].sum()
+    r = obj(obj.student(student, batch), obj.teacher(batch), batch, denom)
+    loss = 0.6 * r.kd + 0.4 * r.lm
+    loss.backward()
+    kd.sum_grads_over_tp(student.parameters())
+    group, tp = ps.get_tensor_model_parallel_group(), kd.state().tp_size
+    spec, grads = spec_from_hf(read_config(paths["student"])), {}
+    for name, p in student.named_parameters():
+        grad = p.grad.detach().clone()
+        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+            if hasattr(p, attr):
+                setattr(grad, attr, getattr(p, attr))
+        grads.update(_hf_tensors(name, _gather_tp(grad, group, tp), spec, tp))  # TP-independent layout
+    return {"loss": loss.detach(), "eval": obj.evaluate(student, batch, denom), "grads": grads}
+
+
+FUSED = {"fused, recompute": (True, None), "fused, coefficients": (True, (0.6, 0.4))}
+
+
+def _aligned_tp2(rank, world_size, paths):
+    import kdexp.distributed as kd
+
+    kd.initialize(tensor_parallel=2, seed=5)
+    return {name: _aligned_step(paths, *case) for name, case in FUSED.items()}
+
+
+@pytest.mark.slow
+def test_the_fused_head_masks_the_padded_ids_as_the_output_layer_does(ckpts):
+    """With model.vocab_alignment=tokenizer the fused head's chunks (student and teacher) are -inf beyond the
+    tokenizer's ids, as the output layer's hook makes the whole logits: the loss, the eval metrics and every student
+    gradient fused (both backward modes; TP 1, and TP 2 where only rank 1's shard holds padded columns) equal the
+    whole-logits path at TP 1 within 1e-5, and the padded rows of the output weight learn nothing."""
+    from kdexp.distributed.testing import run_on_processes
+
+    with lone_process(seed=5):
+        ref = _aligned_step(ckpts, False, None)
+        one = {name: _aligned_step(ckpts, *case) for name, case in FUSED.items()}
+    two = run_on_processes(_aligned_tp2, 2, args=(dict(ckpts),))[0]
+    assert torch.isfinite(ref["loss"]) and (ref["grads"]["lm_head.weight"][REAL:] == 0).all()
+    for case, got in [*((("tp1", k), v) for k, v in one.items()), *((("tp2", k), v) for k, v in two.items())]:
+        assert (got["loss"] - ref["loss"]).abs() <= 1e-5 * ref["loss"].abs(), case
+        torch.testing.assert_close(got["eval"], ref["eval"], rtol=1e-5, atol=1e-6)
+        assert got["grads"].keys() == ref["grads"].keys()
+        for k, want in ref["grads"].items():
+            rel = float((got["grads"][k] - want).norm() / want.norm().clamp_min(1e-12))
+            assert rel <= 1e-5, (case, k, rel)
+        assert (got["grads"]["lm_head.weight"][REAL:] == 0).all(), case

@@ -287,14 +287,6 @@ def validate(cfg: Any) -> None:
     kd = KDLossOptions.from_config(cfg.loss).check(teacher_vocab, prefix="loss.")  # the loss's own rules
     if not isinstance(cfg.loss.fused_head, bool):
         fail("loss.fused_head", cfg.loss.fused_head, "must be true or false")
-    # Refused where the fused head is not yet shown exact: its chunks are formed straight from the output weight, so
-    # the padded-row mask of vocab_alignment=tokenizer (a hook on the output layer) never runs; and its TP 2 smoke runs
-    # do not match TP 1 yet. The whole-logits path (false) serves both.
-    if cfg.loss.fused_head and cfg.model.vocab_alignment != "exact":
-        fail("loss.fused_head", True, "is not supported with model.vocab_alignment=tokenizer yet: "
-             "use loss.fused_head=false")
-    if cfg.loss.fused_head and int(cfg.parallel.tensor) > 1:
-        fail("loss.fused_head", True, "is not supported with parallel.tensor > 1 yet: use loss.fused_head=false")
     SampledKDOptions.from_config(cfg.loss).check(kd, prefix="loss.")
     _check_loss_name(cfg.loss)
     _check_intermediate(cfg)

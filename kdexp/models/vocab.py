@@ -23,31 +23,50 @@ def _inner(model):
     return model
 
 
+def _padded_columns(real_vocab: int, local: int, device) -> torch.Tensor | None:
+    """This TP rank's columns of the [.., V/tp] logits that are not a token (ids >= real_vocab; rank r holds ids
+    [r*local, (r+1)*local)), or None when it has none: the one rule for the hook and the fused head."""
+    from megatron.core import parallel_state as ps
+
+    start = max(0, real_vocab - ps.get_tensor_model_parallel_rank() * local)  # first padded column of this rank
+    if start >= local:
+        return None
+    return torch.arange(local, device=device) >= start
+
+
 def mask_padded_vocab(model, real_vocab: int):
     """Make `model`'s logits -inf at every id >= real_vocab (this TP rank's slice of them), from a forward hook on its
-    output layer; `model.kdexp_real_vocab` records it for code that forms logits from the output weight itself. A
-    model whose vocabulary is exactly `real_vocab` is left as it is. Returns the model."""
+    output layer; `model.kdexp_real_vocab` records it for code that forms logits from the output weight itself
+    (`padded_vocab_mask`). A model whose vocabulary is exactly `real_vocab` is left as it is. Returns the model."""
     from megatron.core import parallel_state as ps
 
     layer = _inner(model).output_layer
     local = layer.output_size_per_partition
-    start = max(0, real_vocab - ps.get_tensor_model_parallel_rank() * local)  # first padded column of this rank
     if local * ps.get_tensor_model_parallel_world_size() <= real_vocab:
         return model
     model.kdexp_real_vocab = real_vocab
-    if start >= local:
-        return model
     masks: dict = {}
 
     def hook(module, args, output):
         logits, bias = output
-        mask = masks.get(logits.device)
-        if mask is None:
-            mask = masks[logits.device] = torch.arange(local, device=logits.device) >= start
-        return logits.masked_fill(mask, -math.inf), bias
+        if logits.device not in masks:
+            masks[logits.device] = _padded_columns(real_vocab, local, logits.device)
+        mask = masks[logits.device]
+        return (logits if mask is None else logits.masked_fill(mask, -math.inf)), bias
 
     layer.register_forward_hook(hook)
     return model
+
+
+def padded_vocab_mask(model, local_vocab: int, device) -> torch.Tensor | None:
+    """The [local_vocab] bool mask of this TP rank's padded columns of `model` (mask_padded_vocab's rule: True where
+    the logit must be -inf), for callers that form the logits from the output weight (the fused head); None when
+    the model has no padded rows on this rank or was not masked."""
+    real = None
+    while model is not None and real is None:
+        real = getattr(model, "kdexp_real_vocab", None)
+        model = getattr(model, "module", None)  # the attribute sits on the model mask_padded_vocab was given
+    return None if real is None else _padded_columns(int(real), local_vocab, device)
 
 
 def vocab_alignment(cfg, data=None) -> dict:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from typing import Any, Callable, NamedTuple, Optional
 
@@ -30,7 +31,7 @@ from kdexp import distributed, models
 from kdexp.losses import KDLossOptions, SampledKDOptions
 # A term's chunk result: per-token kd [c], lm [c] (None: the objective adds the cross-entropy), stats name -> [c]
 # (logged as train/<name>); the fused head's own type.
-from kdexp.losses.head import ChunkLoss, fused_head_loss, head_chunk_rows, teacher_head_logits
+from kdexp.losses.head import ChunkLoss, fused_head_loss, head_chunk_rows, teacher_head_logits, tp_copy
 from kdexp.train import objectives
 
 log = logging.getLogger("kdexp")
@@ -59,6 +60,9 @@ class ModelOut:
     layers: dict = dataclasses.field(default_factory=dict)
     sample_index: Any = None
     model: Any = None  # the student (its hidden-state loss modules are attached to it)
+    # [V/tp] bool, True at the columns of ids beyond the tokenizer's (model.vocab_alignment=tokenizer): -inf in every
+    # chunk formed from `hidden`, as the output layer's hook makes them on the logits path; None: nothing padded here
+    vocab_mask: Optional[torch.Tensor] = None
 
     @property
     def tokens(self) -> int:
@@ -68,7 +72,11 @@ class ModelOut:
         """This rank's vocabulary shard of the logits of token `rows` [c, V/tp] (no grad for a teacher)."""
         if self.logits is not None:
             return self.logits.reshape(-1, self.logits.shape[-1])[rows]
-        return teacher_head_logits(self.hidden, self.weight, rows)
+        return self.masked(teacher_head_logits(self.hidden, self.weight, rows))
+
+    def masked(self, z: torch.Tensor) -> torch.Tensor:
+        """A chunk formed from the hidden states with the padded columns at -inf (the hook's rule, models.vocab)."""
+        return z if self.vocab_mask is None else z.masked_fill(self.vocab_mask, -math.inf)
 
 
 def forward(model, tokens: torch.Tensor, *, fused: bool, layers=()) -> ModelOut:
@@ -77,20 +85,25 @@ def forward(model, tokens: torch.Tensor, *, fused: bool, layers=()) -> ModelOut:
         if not fused:
             return ModelOut(logits=models.vocab_parallel_logits(model, tokens), layers=captured)
         hidden, weight = models.final_hidden(model, tokens)
-    return ModelOut(hidden=_head_input(model, hidden), weight=weight, layers=captured)
+    return ModelOut(hidden=_head_input(model, hidden), weight=weight, layers=captured,
+                    vocab_mask=models.padded_vocab_mask(model, weight.shape[0], weight.device))
 
 
 def _head_input(model, hidden: torch.Tensor) -> torch.Tensor:
-    """[s(/tp), b, h] -> [b*s, h] for the head: the region megatron's ColumnParallelLinear output layer applies first
-    (its input gathered over the sequence under sequence parallelism, else identity forward / all-reduce backward)."""
-    if distributed.state().tp_size > 1:
+    """[s(/tp), b, h] -> [b*s, h] for the head, with the region megatron's ColumnParallelLinear output layer applies
+    first: under sequence parallelism its input gathered over the sequence (the backward reduce-scatters the partial
+    gradients), else identity forward / all-reduce backward (`tp_copy`), applied after the reshape. Not megatron's
+    copy_to_tensor_model_parallel_region here: its backward all-reduces `grad.contiguous()` and returns `grad`, so a
+    non-contiguous gradient (what the [s, b, h] -> [b*s, h] transpose hands back) kept this rank's partial sum only,
+    and every student gradient at TP > 1 was wrong."""
+    tp = distributed.state().tp_size > 1
+    sp = tp and models.sequence_parallel(model)
+    if sp:
         from megatron.core import tensor_parallel
 
-        if models.sequence_parallel(model):
-            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
-        else:
-            hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden)
-    return hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True)
+    flat = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])
+    return tp_copy(flat, distributed.tp_group()) if tp and not sp else flat
 
 
 # ----------------------------------------------------------------------------------------------------- teachers
@@ -322,6 +335,8 @@ class Objective:
     def _apply(self, loss_fn, out: ModelOut, mask, denom, coefficients=None) -> tuple:
         """(kd, lm, stats) token-normalised: through the fused head, or `loss_fn` once over the whole logits."""
         if self.fused:
+            if out.vocab_mask is not None:  # the padded columns -inf before the loss sees them (gradient 0 there)
+                loss_fn = _masked_chunks(loss_fn, out)
             r = fused_head_loss(out.hidden, out.weight, loss_fn, token_weight=mask / denom,
                                 coefficients=coefficients, tp_group=distributed.tp_group())
             return r.kd, r.lm, dict(r.stats)
@@ -378,6 +393,10 @@ class Objective:
         else:
             kl, lm, stats = self._apply(loss_fn, s, mask, denom)
         return torch.stack([kl, stats["top1"], lm])
+
+
+def _masked_chunks(loss_fn, out: ModelOut):
+    return lambda z, rows: loss_fn(out.masked(z), rows)
 
 
 def _eval_chunks(loss_fn, out: ModelOut, token_weight) -> tuple:
