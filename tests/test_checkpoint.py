@@ -317,9 +317,9 @@ def test_every_state_the_loop_saves_is_plain_and_a_foreign_object_is_refused_at_
 def _rank0_cannot_write(rank, world_size, root):
     """TP=2 over gloo: rank 0's checkpoint file meets a full disk (torch.save turns ENOSPC into a RuntimeError whose
     context is the OSError), rank 1's write succeeds. Then both save the next step normally."""
-    import errno
     from pathlib import Path
 
+    from _disk import raise_full_disk
     from kdexp import distributed
     from kdexp.track import faults
 
@@ -327,12 +327,7 @@ def _rank0_cannot_write(rank, world_size, root):
     ckpt = Path(root) / "checkpoints"
     real = ck._atomic_torch_save
     if rank == 0:
-        def full_disk(obj, path):
-            try:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            except OSError:
-                raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 10560 vs 10454")
-        ck._atomic_torch_save = full_disk
+        ck._atomic_torch_save = raise_full_disk
     try:
         ck.save(ckpt, 3, state(3))
         outcome = "saved"

@@ -20,6 +20,7 @@ from kdexp.track import faults
 from kdexp.track.metrics import MetricsFile
 
 RUN = ["experiment=smoke", "model.embedded_teacher=shipped", "logger=none"]  # shipped teacher: nothing pretrained
+TESTS = str(Path(__file__).parent)  # the -c scripts below import the full-disk seam from tests/_disk.py
 
 
 @contextmanager
@@ -79,17 +80,16 @@ def test_a_full_disk_is_one_line_exit_1_and_leaves_no_partial_file(env, tmp_path
 
 # In a sweep: training replaced by what a full disk does to the first checkpoint of point 0 (torch.save's RuntimeError
 # whose context is the OSError, named by faults.writing as kdexp.train.loop does); point 1 finishes.
-_FULL_DISK_IN_A_SWEEP = textwrap.dedent("""
-    import errno, os, kdexp.run, kdexp.train.loop
+_FULL_DISK_IN_A_SWEEP = textwrap.dedent(f"""
+    import sys; sys.path.insert(0, {TESTS!r})
+    import kdexp.run, kdexp.train.loop
+    from _disk import raise_full_disk
     from kdexp.track import faults
     def distill(cfg, run_dir, **kwargs):
         if cfg.trainer.seed == 1:
-            with faults.writing(f"{run_dir}/checkpoints/step_3"):
-                try:
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                except OSError:
-                    raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 10560 vs 10454")
-        return {"train/loss": 1.0}, None
+            with faults.writing(f"{{run_dir}}/checkpoints/step_3"):
+                raise_full_disk()
+        return {{"train/loss": 1.0}}, None
     kdexp.train.loop.distill = distill
     kdexp.run.cli()
 """)
@@ -117,16 +117,12 @@ def test_a_disk_fault_in_a_sweep_point_is_its_one_line_in_its_record_and_the_swe
 
 
 # kdexp.run where global rank 0's checkpoint file meets a full disk (torch.save's RuntimeError from ENOSPC).
-_RANK0_FULL_DISK = textwrap.dedent("""
-    import errno, os, sys
+_RANK0_FULL_DISK = textwrap.dedent(f"""
+    import os, sys; sys.path.insert(0, {TESTS!r})
     if os.environ.get("RANK") == "0":
         import kdexp.train.checkpoint as ck
-        def full_disk(obj, path):
-            try:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            except OSError:
-                raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 10560 vs 10454")
-        ck._atomic_torch_save = full_disk
+        from _disk import raise_full_disk
+        ck._atomic_torch_save = raise_full_disk
     import kdexp.run
     kdexp.run.cli()
 """)

@@ -130,11 +130,7 @@ def _grads_of_one_step(fused: bool, coefficients, sequence_parallel: bool = Fals
     kd.sum_grads_over_tp(student.parameters())
     st, grads = kd.state(), {}
     for name, p in student.named_parameters():
-        grad = p.grad.detach().clone()
-        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
-            if hasattr(p, attr):
-                setattr(grad, attr, getattr(p, attr))
-        grads.update(_hf_tensors(name, _gather_tp(grad, ps.get_tensor_model_parallel_group(), st.tp_size), spec,
+        grads.update(_hf_tensors(name, _gather_tp(p, ps.get_tensor_model_parallel_group(), st.tp_size, p.grad), spec,
                                  st.tp_size))
     return {"loss": loss.detach(), "grads": grads}
 

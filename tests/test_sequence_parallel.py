@@ -42,11 +42,7 @@ def _model_run(sp: bool, attention: str, native_reduce_scatter: bool = True) -> 
 
     grads = {}
     for name, p in model.named_parameters():
-        g = p.grad.detach().clone()
-        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
-            if hasattr(p, attr):
-                setattr(g, attr, getattr(p, attr))
-        grads.update(_hf_tensors(name, _gather_tp(g, ps.get_tensor_model_parallel_group(), st.tp_size), spec,
+        grads.update(_hf_tensors(name, _gather_tp(p, ps.get_tensor_model_parallel_group(), st.tp_size, p.grad), spec,
                                  st.tp_size))
     return {"loss": loss.detach(), "logits": logits.detach(), "hidden": h0.detach(), "grads": grads}
 

@@ -180,11 +180,7 @@ def _aligned_step(paths, fused: bool, coefficients) -> dict:
     group, tp = ps.get_tensor_model_parallel_group(), kd.state().tp_size
     spec, grads = spec_from_hf(read_config(paths["student"])), {}
     for name, p in student.named_parameters():
-        grad = p.grad.detach().clone()
-        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
-            if hasattr(p, attr):
-                setattr(grad, attr, getattr(p, attr))
-        grads.update(_hf_tensors(name, _gather_tp(grad, group, tp), spec, tp))  # TP-independent layout
+        grads.update(_hf_tensors(name, _gather_tp(p, group, tp, p.grad), spec, tp))  # TP-independent layout
     return {"loss": loss.detach(), "eval": obj.evaluate(student, batch, denom), "grads": grads}
 
 

@@ -168,9 +168,10 @@ def load_hf(path, *, params_dtype=torch.float32, vocab_size: Optional[int] = Non
     return model if real_vocab is None else mask_padded_vocab(model, int(real_vocab))
 
 
-def _gather_tp(param: torch.Tensor, tp_group, tp: int) -> torch.Tensor:
-    """Full tensor of a (possibly) TP-sharded megatron parameter, on every TP rank."""
-    t = param.detach()
+def _gather_tp(param: torch.Tensor, tp_group, tp: int, values: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Full tensor of a (possibly) TP-sharded megatron parameter, on every TP rank; of `values` (e.g. its gradient,
+    same shard shape) sharded as the parameter is, when given."""
+    t = (param if values is None else values).detach()
     if tp == 1 or not getattr(param, "tensor_model_parallel", False):
         return t.cpu()
     parts = [torch.empty_like(t) for _ in range(tp)]
