@@ -14,8 +14,9 @@ directory (one line naming the path and the cause: kdexp.track.faults); 128 + N 
 saving a checkpoint (143 for SIGTERM; kdexp.train.signals; the line says how to resume); 2 a user error: a bad command
 line, a config Hydra cannot compose (unknown key, wrong type, missing option) or a value ``kdexp.config.validate``
 rejects, or one that only the prepared data or the teacher cache shows wrong (``kdexp.rules.ConfigError``: data too
-small for trainer.seq_length, a nucleus that overflows the cached top-K_max). A config error or a divergence in a single run prints one line, without a Python traceback. In a sweep the
-exception goes on to ``kdexp.track.sweep.SweepCallback``, which records the point as failed and lets the others run.
+small for trainer.seq_length, a nucleus that overflows the cached top-K_max). A config error or a divergence in a
+single run prints one line, without a Python traceback. In a sweep the exception goes on to
+``kdexp.track.sweep.SweepCallback``, which records the point as failed and lets the others run.
 """
 from __future__ import annotations
 

@@ -135,10 +135,10 @@ class SweepCallback(Callback):
         try:
             point = self._record_end(config, job_return, exc) if global_rank() == 0 else None
         except OSError as err:  # sweep.json on a full disk: say so in one line and let the other points go on
-            if faults.disk_fault(err) is None:
+            told = faults.one_line(err)
+            if told is None:
                 raise
-            print(f"kdexp: error: {faults.describe(err)} (the sweep's records of this point)", file=sys.stderr,
-                  flush=True)
+            print(f"kdexp: error: {told} (the sweep's records of this point)", file=sys.stderr, flush=True)
         self._beat(Path(config.hydra.runtime.output_dir), False)
         if exc is not None and self.keep_going:
             status = (point or {}).get("status", "failed")
