@@ -69,8 +69,9 @@ def test_the_real_shape_part_runs_at_tiny_shapes_on_the_cpu():
 
     args = argparse.Namespace(teacher="tiny-teacher", student="tiny-student", scale_steps=2, lm_steps=1, seq=64,
                               micro=2, recompute="none", attention="sdpa")
-    out = gpu.scale(args)
+    out = gpu.scale(args, "true")
     assert out.get("finite") is True and out["ok"] is False, out  # finite losses; no CUDA peak: not a pass
+    assert out["fused_head"] == "true" and "head chunk working set" in out["plan_items_gib"]  # as set, and planned
     assert (out["precision"], out["params_dtype"], out["seq"], out["steps"]) == ("bf16", "bfloat16", 64, 2)
     assert out["kd_peak_gib"] is None and out["plan_peak_gib"] == pytest.approx(sum(out["plan_items_gib"].values()))
     assert out["kd_step_ms"] > 0 and out["kd_overhead"] == pytest.approx(out["kd_step_ms"] / out["lm_step_ms"] - 1)

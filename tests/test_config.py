@@ -194,6 +194,8 @@ BAD = [
     (["loss.min_k=0"], "loss.min_k", ">= 1"),
     (["loss.top_k=0"], "loss.top_k", ">= 1"),
     (["loss.top_k=5000"], "loss.top_k", "vocabulary size 2048"),
+    (["loss.fused_head=maybe"], "loss.fused_head='maybe'", "must be auto, true or false"),
+    (["loss.fused_head=1"], "loss.fused_head=1", "must be auto, true or false"),
     (["loss.temperature=0"], "loss.temperature", "> 0"),
     (["loss.temperature=inf"], "loss.temperature", "(finite|inf)"),
     (["loss=top_p", "loss.min_k=5000"], "loss.min_k", "2048"),

@@ -387,3 +387,75 @@ def test_the_plan_bounds_the_kd_loss_alone(overrides, tight):
     # (1 KiB of 0-d scalars and per-row constants is not planned)
     assert planned + 1024 >= eager and planned / eager <= tight, (planned, eager)
     assert planned + 1024 >= peak(), "the CPU kernel's path needs more than the plan"  # an upper bound there too
+
+
+def test_auto_fuses_the_head_where_one_micro_batchs_logits_take_64_mib():
+    """loss.fused_head=auto (the default): the plan and the run decide by one rule (kdexp.losses.head.uses_fused_head)
+    on one micro-batch's fp32 logits per TP rank: the embedded default's [1024, 2048] (8 MiB) stays on whole logits,
+    Qwen3's vocabulary is fused from 111 tokens per rank on (110 x 151,936 x 4 B < 64 MiB <= 111 x ...)."""
+    from kdexp.losses.head import AUTO_MIN_LOGITS_BYTES, uses_fused_head
+
+    assert AUTO_MIN_LOGITS_BYTES == 64 * 2**20
+    assert not uses_fused_head("auto", 1024, 2048) and uses_fused_head(True, 1, 1) and not uses_fused_head(False, 1e9, 1)
+    assert not uses_fused_head("auto", 110, 151936) and uses_fused_head("auto", 111, 151936)
+    assert uses_fused_head("auto", 2 * 111, 151936 // 2) and not uses_fused_head("auto", 2 * 110, 151936 // 2)
+
+    def kinds(*overrides):
+        names = {name for name, _, _ in make_plan(_cfg(*overrides)).items}
+        assert ("student logits" in names) != ("head hidden states" in names)
+        return "whole" if "student logits" in names else "fused"
+
+    assert kinds() == kinds("loss.fused_head=false") == "whole" and kinds("loss.fused_head=true") == "fused"
+    qwen = ("model=qwen3", "trainer.precision=bf16", "trainer.micro_batch_size=1")
+    assert kinds(*qwen, "trainer.seq_length=111") == "fused" and kinds(*qwen, "trainer.seq_length=110") == "whole"
+    assert kinds(*qwen, "trainer.seq_length=220", "parallel.tensor=2") == "whole"
+    assert kinds(*qwen, "trainer.seq_length=4096", "loss.fused_head=false") == "whole"
+
+
+def test_the_objective_resolves_auto_by_the_plans_rule():
+    """kdexp.train.objective.build fuses the head exactly where the plan does (the teacher's padded vocabulary, the
+    micro-batch's tokens, the TP size)."""
+    from types import SimpleNamespace
+
+    from kdexp.train import objective, objectives
+
+    cfg = _cfg("loss.fused_head=auto", "trainer.micro_batch_size=1")
+    for seq, want in ((110, False), (111, True)):
+        cfg.trainer.seq_length = seq
+        teacher = SimpleNamespace(kdexp_spec=SimpleNamespace(vocab_size=151936))
+        kd = objective.build(cfg, SimpleNamespace(vocab_size=151669), teacher,
+                             objectives.build_balancer(cfg.balancer))
+        assert kd.fused is want and kd.eval_teacher.fused is want
+
+
+def test_max_micro_is_the_largest_micro_batch_the_plan_fits(capsys):
+    """--max-micro: m fits trainer.gpu_memory_gb and m + 1 does not, by make_plan itself; the fused head fits more at
+    seq 4096 (README's real-scale line); without trainer.gpu_memory_gb one line, exit 2."""
+    from kdexp.plan import largest_micro_batch
+    from kdexp.plan.__main__ import main
+
+    args = ["--gpus", "8", "model=qwen3", "trainer.precision=bf16", "trainer.seq_length=4096",
+            "trainer.recompute=selective", "trainer.distributed_optimizer=true", "parallel.tensor=2",
+            "parallel.sequence=true", "trainer.global_batch_size=256", "trainer.gpu_memory_gb=79.6"]
+    found = {}
+    for fused in ("true", "false"):
+        assert main(["--max-micro", "--json", *args, f"loss.fused_head={fused}"]) == 0
+        fit = json.loads(capsys.readouterr().out)["max_micro_batch"]
+        m = fit["micro_batch_size"]
+        cfg = _cfg(*args[2:], f"loss.fused_head={fused}", "trainer.global_batch_size=null")
+        cfg.trainer.micro_batch_size = m
+        at = make_plan(cfg, gpus=8).needs
+        cfg.trainer.micro_batch_size = m + 1
+        above = make_plan(cfg, gpus=8).needs
+        assert at <= 79.6 * GiB < above
+        assert (fit["needs_gib"], fit["next_needs_gib"]) == (round(at / GiB, 2), round(above / GiB, 2))
+        found[fused] = m
+    assert found["true"] > found["false"] >= 1
+    assert main(["--max-micro", "model=qwen3"]) == 2
+    err = capsys.readouterr().err
+    assert err == "kdexp.plan: error: --max-micro needs trainer.gpu_memory_gb=<GiB per GPU> (79.6 on an H100 80GB)\n"
+    assert main(["--max-micro", *args, "trainer.seq_length=10000000", "parallel.sequence=false"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("largest micro-batch               none  micro-batch 1 x seq 10000000 needs ")
+    assert last.endswith(" GiB, more than trainer.gpu_memory_gb=79.6")
+    assert largest_micro_batch(_cfg(), limit_gib=1e9, most=7)[0] == 7  # the search stops at `most`

@@ -1,8 +1,8 @@
-"""GPU check: the CUDA-only code paths end to end and the real-shape numbers, in <= 8 minutes on one H100/H200.
+"""GPU check: the CUDA-only code paths end to end and the real-shape numbers, in about 10 minutes on one H100/H200.
 
     python -m kdexp.bench.gpu [--steps 6] [--tokens 2048] [--vocab 151936] [--scale-steps 50] [--seq 4096]
                               [--micro 1] [--recompute none] [--teacher 1.7b] [--student 0.6b] [--keep DIR]
-                              [--attention sdpa]
+                              [--attention sdpa] [--fused-head both]
 
 1. The KD loss benchmark's configurations (kdexp.bench.losses) at Qwen3's vocabulary (151,936), fp32 and bf16 inputs:
    fwd+bwd time and peak extra memory (torch.cuda.max_memory_allocated) of kdexp, of the plain PyTorch version and,
@@ -16,12 +16,15 @@
    setup and step, then LM-only steps: tokens/s, MFU, peak memory of each, the KD overhead over LM-only, and
    kdexp.plan's predicted peak beside torch.cuda.max_memory_allocated.
 
-Every part runs with model.attention=--attention (default sdpa: torch's fused attention kernels; megatron: the
+Parts 2 and 3 run once per --fused-head setting: loss.fused_head=true and =false in turn (`both`, the default: the
+fused head against the whole-logits path on the same machine, tiny and at real shapes), or one of auto / true /
+false; "distill" and "scale" hold one entry per run, each with its "fused_head". Every part runs with
+model.attention=--attention (default sdpa: torch's fused attention kernels; megatron: the
 unfused DotProductAttention, for comparison). Sequence parallelism needs TP >= 2 (megatron and kdexp's config refuse
 it at TP 1), so this one-GPU check cannot turn it on; what it changed that runs at TP 1 runs here in every model
 (kdexp's RMSNorm in place of megatron's local norm; the TP gradient rule of norm weights, a no-op at TP 1).
 
-The last stdout line is one JSON object ({"ok": ..., "device": ..., "loss": [...], "distill": [...], "scale": {...}});
+The last stdout line is one JSON object ({"ok": ..., "device": ..., "loss": [...], "distill": [...], "scale": [...]});
 progress goes to stderr. Exit status 0 when every check passed, 1 when one failed, and 1 with a one-line message when
 this machine has no CUDA GPU (the module imports on any machine).
 """
@@ -61,14 +64,15 @@ def _saved_devices(run_dir: Path) -> set[str]:
     return {t.device.type for t in model.values() if isinstance(t, torch.Tensor)}
 
 
-def distill(work: Path, dtype: str, steps: int, cache: Path | None = None, attention: str = "sdpa") -> dict:
-    run_dir = work / f"run_{dtype}"
+def distill(work: Path, dtype: str, steps: int, cache: Path | None = None, attention: str = "sdpa",
+            fused_head: str = "auto") -> dict:
+    run_dir = work / f"run_{dtype}_fused_{fused_head}"
     cmd = [sys.executable, "-m", "kdexp.run", "experiment=smoke", "logger=none", f"model.params_dtype={dtype}",
-           f"model.attention={attention}",
+           f"model.attention={attention}", f"loss.fused_head={fused_head}",
            f"trainer.max_steps={steps}", f"trainer.warmup_steps={min(2, steps)}", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "KDEXP_CACHE": str(cache or work / "cache")}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    out = {"params_dtype": dtype, "rc": proc.returncode, "run_dir": str(run_dir)}
+    out = {"params_dtype": dtype, "fused_head": fused_head, "rc": proc.returncode, "run_dir": str(run_dir)}
     summary_file = run_dir / "summary.json"
     if proc.returncode != 0 or not summary_file.is_file():
         out.update(ok=False, error=proc.stderr.strip()[-2000:])
@@ -119,18 +123,18 @@ def loss_bench(tokens: int, vocab: int, repeats: int, device: str = "cuda") -> l
     return rows
 
 
-def scale(args) -> dict:
+def scale(args, fused_head: str) -> dict:
     """Part 3 in a child process (a clean CUDA context, its own process group), its JSON line back."""
     cmd = [sys.executable, "-c", "import json, sys; from kdexp.bench import gpu_scale; "
            "print(json.dumps(gpu_scale.run(*sys.argv[1:3], steps=int(sys.argv[3]), lm_steps=int(sys.argv[4]), "
            "seq=int(sys.argv[5]), micro=int(sys.argv[6]), recompute=sys.argv[7], extra=tuple(sys.argv[8:]))))",
            args.teacher, args.student, str(args.scale_steps), str(args.lm_steps), str(args.seq), str(args.micro),
-           args.recompute, f"model.attention={args.attention}"]
+           args.recompute, f"model.attention={args.attention}", f"loss.fused_head={fused_head}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
-        return {"ok": False, "rc": proc.returncode, "error": proc.stderr.strip()[-2000:]}
-    out = json.loads(lines[-1])
+        return {"ok": False, "fused_head": fused_head, "rc": proc.returncode, "error": proc.stderr.strip()[-2000:]}
+    out = {"fused_head": fused_head, **json.loads(lines[-1])}
     out["ok"] = bool(out["finite"]) and out["kd_peak_gib"] is not None
     return out
 
@@ -150,6 +154,8 @@ def main(argv=None) -> int:
     ap.add_argument("--teacher", default="1.7b")
     ap.add_argument("--student", default="0.6b")
     ap.add_argument("--attention", default="sdpa", choices=("sdpa", "megatron"), help="model.attention of every part")
+    ap.add_argument("--fused-head", default="both", choices=("both", "auto", "true", "false"),
+                    help="loss.fused_head of parts 2 and 3 (both: true, then false)")
     args = ap.parse_args(argv)
     if min(args.steps, args.tokens, args.vocab, args.repeats, args.seq, args.micro, args.lm_steps) < 1 or \
             args.scale_steps < 0:
@@ -161,6 +167,7 @@ def main(argv=None) -> int:
         return 1
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
               "attention": args.attention}
+    settings = ("true", "false") if args.fused_head == "both" else (args.fused_head,)
     _say(f"loss benchmark, {args.tokens} tokens x vocab {args.vocab} ...")
     result["loss"] = loss_bench(args.tokens, args.vocab, args.repeats)
     torch.cuda.empty_cache()
@@ -168,17 +175,19 @@ def main(argv=None) -> int:
         work = args.keep or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         result["distill"] = []
-        for dtype in ("float32", "bfloat16"):
-            _say(f"distill {args.steps} steps, params {dtype} ...")
-            result["distill"].append(distill(work, dtype, args.steps, attention=args.attention))
-            _say(f"distill {dtype}: {json.dumps(result['distill'][-1])}")
-    result["scale"] = None
-    if args.scale_steps:
-        _say(f"{args.teacher} -> {args.student}, seq {args.seq}, {args.scale_steps} KD + {args.lm_steps} LM steps ...")
-        result["scale"] = scale(args)
-        _say(f"scale: {json.dumps(result['scale'])}")
-    result["ok"] = all(r["ok"] for r in result["distill"] + result["loss"]) and \
-        (result["scale"] is None or result["scale"]["ok"])
+        for fused in settings:
+            for dtype in ("float32", "bfloat16"):
+                _say(f"distill {args.steps} steps, params {dtype}, loss.fused_head={fused} ...")
+                result["distill"].append(distill(work, dtype, args.steps, cache=work / "cache",
+                                                 attention=args.attention, fused_head=fused))
+                _say(f"distill {dtype}: {json.dumps(result['distill'][-1])}")
+    result["scale"] = []
+    for fused in settings if args.scale_steps else ():
+        _say(f"{args.teacher} -> {args.student}, seq {args.seq}, {args.scale_steps} KD + {args.lm_steps} LM steps, "
+             f"loss.fused_head={fused} ...")
+        result["scale"].append(scale(args, fused))
+        _say(f"scale: {json.dumps(result['scale'][-1])}")
+    result["ok"] = all(r["ok"] for r in result["distill"] + result["loss"] + result["scale"])
     print(json.dumps(result))
     return 0 if result["ok"] else 1
 

@@ -285,8 +285,8 @@ def validate(cfg: Any) -> None:
         check_alignment(cfg.model.vocab_alignment, teacher_vocab, student_vocab, tokenizer_vocab(cfg))
         teacher_vocab = student_vocab  # the teacher is loaded with the student's rows
     kd = KDLossOptions.from_config(cfg.loss).check(teacher_vocab, prefix="loss.")  # the loss's own rules
-    if not isinstance(cfg.loss.fused_head, bool):
-        fail("loss.fused_head", cfg.loss.fused_head, "must be true or false")
+    if not isinstance(cfg.loss.fused_head, bool) and cfg.loss.fused_head != "auto":
+        fail("loss.fused_head", cfg.loss.fused_head, "must be auto, true or false")
     SampledKDOptions.from_config(cfg.loss).check(kd, prefix="loss.")
     _check_loss_name(cfg.loss)
     _check_intermediate(cfg)

@@ -8,7 +8,7 @@ function's keywords; their value rules live there too).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -57,8 +57,10 @@ class LossConfig(KDLossOptions, SampledKDOptions):
     # Hidden-state losses, e.g. [{student: 3, teacher: 11, kind: cosine}] (kdexp.losses.options.IntermediatePair).
     intermediate: List[IntermediatePair] = field(default_factory=list)
     # The output layer fused into the objective (kdexp.losses.head): logits formed chunk by chunk from the final
-    # hidden states, never [tokens, vocab] at once; false: the models' whole logits (the reference path).
-    fused_head: bool = False
+    # hidden states, never [tokens, vocab] at once; false: the models' whole logits (the reference path); auto: fused
+    # where one micro-batch's fp32 logits per TP rank take 64 MiB or more (kdexp.losses.head.fuses_by_default: the
+    # Qwen3 presets, not the tiny ones).
+    fused_head: Any = "auto"
 
 
 @dataclass

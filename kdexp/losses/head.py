@@ -43,6 +43,12 @@ _MiB = 1 << 20
 CHUNK_FRACTION = 32
 MIN_CHUNK_BYTES = 4 * _MiB
 MAX_CHUNK_BYTES = 256 * _MiB
+# loss.fused_head=auto (the default): the fused head wherever one micro-batch's float32 logits on a TP rank,
+# [tokens, V/tp], would take at least AUTO_MIN_LOGITS_BYTES. Above it the logits are what the head saves: at real
+# scale 1.16 GiB per model per GPU (docs/scale.md), at Qwen3's vocabulary from 111 tokens per rank on. Below it they
+# are small and the chunk loop's fixed costs show: the embedded default's 8 MiB logits train 1.1-1.2x slower fused
+# on a CPU (docs/objective.md).
+AUTO_MIN_LOGITS_BYTES = 64 * _MiB
 # How far the upstream gradients may be from proportional to `coefficients` before the backward recomputes.
 PROPORTIONAL_RTOL = 1e-5
 
@@ -77,6 +83,15 @@ def head_chunk_rows(n: int, local_vocab: int, dtype: torch.dtype, chunk_tokens: 
     budget = min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, n * row // CHUNK_FRACTION))
     rows = max(1, min(n, budget // row))
     return -(-n // -(-n // rows))  # as many chunks, of equal height
+
+
+def uses_fused_head(setting, tokens: int, local_vocab: int) -> bool:
+    """loss.fused_head resolved: true / false as set; auto: fused when [tokens, local_vocab] float32 logits take
+    AUTO_MIN_LOGITS_BYTES or more (tokens: one micro-batch's; local_vocab: the padded vocabulary over the TP size).
+    The run (kdexp.train.objective.build) and kdexp.plan both decide here."""
+    if setting != "auto":
+        return bool(setting)
+    return tokens * local_vocab * 4 >= AUTO_MIN_LOGITS_BYTES
 
 
 def _check_matrix(name: str, t) -> None:

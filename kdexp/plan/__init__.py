@@ -193,9 +193,9 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
                                  cache_record=None if layout is None else layout.decoded_bytes_per_token(),
                                  held=top_k is not None and holds_gradient(top_p, tp, logits_dtype))
     shape = f"[{tokens}, {vocab}]"
-    if getattr(cfg.loss, "fused_head", False):  # the logits exist one chunk of tokens at a time
-        from kdexp.losses.head import head_chunk_rows
+    from kdexp.losses.head import head_chunk_rows, uses_fused_head
 
+    if uses_fused_head(cfg.loss.fused_head, tokens, vocab):  # the logits exist one chunk of tokens at a time
         rows = head_chunk_rows(tokens, vocab, logits_dtype)
         chunk = sizing.logits_bytes(rows, vocab, e, needs_lm=needs_lm, kd_saved=kd_saved,
                                     chunk_rows=min(rows, _chunk_rows(rows, vocab)),
@@ -295,6 +295,35 @@ def format_table(p: Plan) -> str:
         f"{p.global_batch * p.seq / (tps * p.gpus):,.2f} s",
     ]
     return "\n".join(lines)
+
+
+def largest_micro_batch(cfg: Any, *, gpus: Optional[int] = None, limit_gib: float, most: int = 1 << 16):
+    """(m, plan of m, plan of m + 1): the largest trainer.micro_batch_size whose plan needs at most `limit_gib` GiB per
+    GPU, the other keys of `cfg` as they are (global batch: micro x DP, which no memory item depends on); m = 0 when
+    micro-batch 1 does not fit. The need grows with the micro-batch, so it is found by doubling and bisection."""
+    from omegaconf import OmegaConf
+
+    probe = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    probe.trainer.global_batch_size = None
+    plans: dict[int, Plan] = {}
+
+    def plan(m: int) -> Plan:
+        if m not in plans:
+            probe.trainer.micro_batch_size = m
+            plans[m] = make_plan(probe, gpus=gpus)
+        return plans[m]
+
+    def fits(m: int) -> bool:
+        return plan(m).needs <= limit_gib * GiB
+
+    lo, hi = 0, 1  # fits(lo) (0: vacuously), hi: the first probe that does not fit
+    while hi <= most and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, most + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, plan(lo) if lo else None, plan(lo + 1) if lo < most else None
 
 
 def refuse_if_too_big(cfg: Any) -> None:

@@ -31,7 +31,8 @@ from kdexp import distributed, models
 from kdexp.losses import KDLossOptions, SampledKDOptions
 # A term's chunk result: per-token kd [c], lm [c] (None: the objective adds the cross-entropy), stats name -> [c]
 # (logged as train/<name>); the fused head's own type.
-from kdexp.losses.head import ChunkLoss, fused_head_loss, head_chunk_rows, teacher_head_logits, tp_copy
+from kdexp.losses.head import ChunkLoss, fused_head_loss, head_chunk_rows, teacher_head_logits, tp_copy, \
+    uses_fused_head
 from kdexp.train import objectives
 
 log = logging.getLogger("kdexp")
@@ -419,10 +420,14 @@ def _eval_chunks(loss_fn, out: ModelOut, token_weight) -> tuple:
 
 def build(cfg, data, teacher_model, balancer, student=None) -> Objective:
     """The run's objective from cfg.loss and cfg.teacher: the teacher source (TEACHERS), the loss term (LOSSES),
-    whether the head is fused (loss.fused_head), the balancer's fixed coefficients (the head's gradients in the
-    forward pass) and the hidden-state pairs."""
+    whether the head is fused (loss.fused_head: kdexp.losses.head.uses_fused_head), the balancer's fixed coefficients
+    (the head's gradients in the forward pass) and the hidden-state pairs."""
     loss_cfg = cfg.loss
-    fused = bool(getattr(loss_cfg, "fused_head", False))
+    spec = getattr(teacher_model, "kdexp_spec", None)  # the padded vocabulary the plan sizes (one tokenizer)
+    vocab = spec.vocab_size if spec is not None else data.vocab_size
+    fused = uses_fused_head(getattr(loss_cfg, "fused_head", False),
+                            int(cfg.trainer.micro_batch_size) * int(cfg.trainer.seq_length),
+                            -(-vocab // int(cfg.parallel.tensor)))
     s_layers, t_layers = objectives.intermediate_layers(loss_cfg)
     source = TEACHERS[cfg.teacher.name](cfg, data, teacher_model, fused=fused, layers=t_layers)
     fam = family(loss_cfg)
