@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -78,7 +79,7 @@ def _loss(family, kw, z, t, extra, r, temperature, labels, tp_group=None):
         out = sampled_kd_loss(z, s.ids[r], s.weights[r], s.teacher_logprobs[r], temperature=temperature,
                               tp_group=tp_group, labels=lab)
         kd, lm = out if lab is not None else (out, None)
-        return kd, lm, {"samples_mass": s.weights[r].sum(-1).float()}
+        return kd, lm, _Stats(samples_mass=s.weights[r].sum(-1).float())
     common = dict(temperature=temperature, return_stats=True, tp_group=tp_group, labels=lab)
     if family == "cached":
         rec = extra
@@ -86,8 +87,21 @@ def _loss(family, kw, z, t, extra, r, temperature, labels, tp_group=None):
     else:
         out, st = logits_kd_loss(z, t, **kw, **common)
     kd, lm = out if lab is not None else (out, None)
-    return kd, lm, {"kept_mass": st.teacher_kept_mass.float(), "ghost_mass": st.student_residual_mass.float(),
-                    "nucleus_size": st.nucleus_size.float()}
+    return kd, lm, _Stats(kept_mass=st.teacher_kept_mass.float(), ghost_mass=st.student_residual_mass.float(),
+                          nucleus_size=st.nucleus_size.float())
+
+
+class _Stats(NamedTuple):
+    """The stats a chunk reports (the head sums each field that is not None, into this type)."""
+
+    kept_mass: torch.Tensor | None = None
+    ghost_mass: torch.Tensor | None = None
+    nucleus_size: torch.Tensor | None = None
+    samples_mass: torch.Tensor | None = None
+
+
+def _fields(stats) -> dict:
+    return {k: v for k, v in stats._asdict().items() if v is not None}
 
 
 def _hidden(p, weight, tied):
@@ -126,13 +140,14 @@ def _run(p, family, temperature, use_labels, *, fused, mode="coeff", tied=False,
 
         res = fused_head_loss(hidden, weight, loss_fn, token_weight=tw, chunk_tokens=chunk_tokens,
                               coefficients=coefficients if mode == "coeff" else None, tp_group=tp_group)
-        kd, lm, stats = res.kd, res.lm, res.stats
+        assert type(res.stats) is _Stats
+        kd, lm, stats = res.kd, res.lm, _fields(res.stats)
     else:
         z = hidden @ weight.T
         kd_t, lm_t, st = _loss(family, kw, z, teacher_full, extra, slice(None), temperature, labels, tp_group)
         kd = (kd_t * tw.to(kd_t.dtype)).sum()
         lm = None if lm_t is None else (lm_t * tw.to(lm_t.dtype)).sum()
-        stats = {k: (v.to(kd.dtype) * tw.to(kd.dtype)).sum() for k, v in st.items()}
+        stats = {k: (v.to(kd.dtype) * tw.to(kd.dtype)).sum() for k, v in _fields(st).items()}
     total = w_kd * kd + (w_lm * lm if lm is not None else 0.0)
     (0.5 * total).backward()
     return dict(kd=kd.detach(), lm=None if lm is None else lm.detach(), stats={k: v.detach() for k, v in stats.items()},
@@ -271,6 +286,33 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="hidden_t"):
         teacher_head_logits(p["th"], p["weight"], slice(0, 2))
     fused_head_loss(p["base"], p["weight"], fn, token_weight=tw, vocab_size=V)  # the matching size passes
+    with pytest.raises(ValueError, match="ChunkLoss.stats must be None or a NamedTuple of per-token tensors, got dict"):
+        fused_head_loss(p["base"], p["weight"], lambda z, r: ChunkLoss(z.sum(1), None, {"a": z[:, 0]}), token_weight=tw)
+
+    class Other(NamedTuple):
+        kept_mass: torch.Tensor
+
+    def mixed(z, r):  # one stats type for every chunk
+        return ChunkLoss(z.sum(1), None, (_Stats if r.start == 0 else Other)(z[:, 0]))
+
+    with pytest.raises(ValueError, match="one stats type for every chunk, got _Stats and Other"):
+        fused_head_loss(p["base"], p["weight"], mixed, token_weight=tw, chunk_tokens=2)
+    assert fused_head_loss(p["base"], p["weight"], fn, token_weight=tw).stats is None  # none reported
+
+
+def test_a_stat_reported_by_some_chunks_only_is_summed_over_those():
+    """A field None in a chunk adds nothing there; a field no chunk reports stays None."""
+    p = _problem(torch.float32)
+    tw = p["token_weight"]
+    n = p["base"].shape[0]
+    ones = torch.ones(n)
+
+    def fn(z, r):
+        return ChunkLoss(z.sum(1), None, _Stats(kept_mass=ones[r] if r.start < 4 else None))
+
+    res = fused_head_loss(p["base"], p["weight"], fn, token_weight=tw, chunk_tokens=2)
+    assert res.stats.ghost_mass is None and res.stats.nucleus_size is None
+    assert float(res.stats.kept_mass) == pytest.approx(float(tw[:4].sum()), rel=1e-6)
 
 
 def test_chunk_rule():

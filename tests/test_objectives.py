@@ -82,12 +82,12 @@ def test_kd_loss_and_its_stats_match_the_float64_reference(options):
     kept_t = torch.tensor(ref_stats["teacher_kept_mass"])
     kept_s = torch.tensor(ref_stats["student_kept_mass"])
     sizes = torch.tensor(ref_stats["nucleus_size"], dtype=torch.float64)
-    assert stats["kept_mass"].item() == pytest.approx(masked_mean64(kept_t, mask), rel=1e-5)
+    assert stats.kept_mass.item() == pytest.approx(masked_mean64(kept_t, mask), rel=1e-5)
     # the logged ghost mass is the student's mass outside the kept set (what the ghost bucket asks it to shrink)
-    assert stats["ghost_mass"].item() == pytest.approx(masked_mean64(1 - kept_s, mask), rel=1e-5, abs=1e-7)
-    assert stats["nucleus_size"].item() == pytest.approx(masked_mean64(sizes, mask), rel=1e-6)
+    assert stats.ghost_mass.item() == pytest.approx(masked_mean64(1 - kept_s, mask), rel=1e-5, abs=1e-7)
+    assert stats.nucleus_size.item() == pytest.approx(masked_mean64(sizes, mask), rel=1e-6)
     if options.get("top_k"):
-        assert stats["nucleus_size"].item() == options["top_k"]
+        assert stats.nucleus_size.item() == options["top_k"]
     loss.backward()
     ((ref * mask.double().reshape(-1)).sum() / mask.sum()).backward()
     torch.testing.assert_close(s.grad.double().reshape(-1, V), ref_s.grad, rtol=1e-4, atol=1e-7)
@@ -97,7 +97,7 @@ def test_kd_loss_is_zero_when_the_student_is_the_teacher():
     _, t, _, mask = tiny(2)
     loss, stats = kd_loss(t.clone(), t, mask, LossConfig(top_k=4))
     assert abs(loss.item()) < 1e-6
-    assert stats["ghost_mass"].item() == pytest.approx(1 - stats["kept_mass"].item(), abs=1e-6)
+    assert stats.ghost_mass.item() == pytest.approx(1 - stats.kept_mass.item(), abs=1e-6)
 
 
 def test_full_kl_is_the_full_vocabulary_forward_kl_at_t1():

@@ -36,6 +36,7 @@ import argparse
 import json
 import statistics
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -68,15 +69,19 @@ def unfused(hidden, weight, th, wt, labels, tw, a):
     return (kd * tw).sum(), (lm * tw).sum(), (st.student_residual_mass * tw).sum()
 
 
+class _Ghost(NamedTuple):
+    ghost_mass: torch.Tensor
+
+
 def fused(hidden, weight, th, wt, labels, tw, a, mode):
     def loss_fn(z, r):
         (kd, lm), st = logits_kd_loss(z, teacher_head_logits(th, wt, r), labels=labels[r], chunk_tokens=z.shape[0],
                                       **_loss_kwargs(a))
-        return ChunkLoss(kd, lm, {"ghost_mass": st.student_residual_mass})
+        return ChunkLoss(kd, lm, _Ghost(st.student_residual_mass))
 
     res = fused_head_loss(hidden, weight, loss_fn, token_weight=tw, chunk_tokens=a.chunk_tokens,
                           coefficients=(a.alpha, 1.0 - a.alpha) if mode == "coeff" else None)
-    return res.kd, res.lm, res.stats["ghost_mass"]
+    return res.kd, res.lm, res.stats.ghost_mass
 
 
 def _fwd_bwd(path, hidden0, weight0, rest, a):

@@ -3,8 +3,8 @@
 `fused_head_loss(hidden, weight, loss_fn, token_weight=...)` is the output layer and any per-token logit loss in one
 autograd Function (the idea of Liger-Kernel's fused linear losses, written for kdexp's losses): per chunk of tokens it
 forms z = hidden_c @ weight.T (in the weight's dtype, as megatron's output layer does; the losses upcast to float32
-themselves), calls loss_fn(z, rows) -> ChunkLoss(kd [c], lm [c] | None, stats {name: [c]} | None) and sums the
-token-weighted values. The [tokens, V_local] logits, their gradient and the teacher's logits exist one chunk at a
+themselves), calls loss_fn(z, rows) -> ChunkLoss(kd [c], lm [c] | None, stats) and sums the token-weighted values
+(stats: None or a NamedTuple of per-token tensors [c], summed field by field into the same type). The [tokens, V_local] logits, their gradient and the teacher's logits exist one chunk at a
 time only. Gradients: hidden_c gets dz @ weight, the weight gets the sum over chunks of dz^T @ hidden_c (accumulated
 in float32 for low-precision weights; float64 stays float64), through autograd, so a tied embedding accumulates both
 uses and megatron DDP's hooks see an ordinary parameter gradient.
@@ -54,20 +54,23 @@ PROPORTIONAL_RTOL = 1e-5
 
 
 class ChunkLoss(NamedTuple):
-    """What loss_fn returns for one chunk of tokens: per-token KD loss [c], LM loss [c] (or None), stats {name: [c]}."""
+    """What loss_fn returns for one chunk of tokens: per-token KD loss [c], LM loss [c] (or None), and stats: None or
+    a NamedTuple of per-token tensors [c], one type for every chunk (a field left None is not reported; the trainer's
+    terms return kdexp.train.objective.TermStats)."""
 
     kd: torch.Tensor
     lm: torch.Tensor | None = None
-    stats: dict[str, torch.Tensor] | None = None
+    stats: tuple | None = None
 
 
 class HeadResult(NamedTuple):
     """Token-weighted sums (with token_weight = mask / denom: the masked means). lm is None when loss_fn gives none;
-    stats are no-grad scalars, weighted the same way."""
+    stats: loss_fn's stats type with each field's no-grad token-weighted sum (None where no chunk reported it), or
+    None when loss_fn gives none."""
 
     kd: torch.Tensor
     lm: torch.Tensor | None
-    stats: dict[str, torch.Tensor]
+    stats: tuple | None
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -150,8 +153,44 @@ def fused_head_loss(hidden: torch.Tensor, weight: torch.Tensor, loss_fn: Callabl
     rows = head_chunk_rows(n, shard.max_local_vocab, weight.dtype, chunk_tokens)
     side: dict = {}
     kd, lm, stats = _FusedHead.apply(hidden, weight, token_weight.detach(), loss_fn, coefficients, rows, side)
-    names = side["stat_names"]
-    return HeadResult(kd, lm if side["has_lm"] else None, {k: stats[i] for i, k in enumerate(names)})
+    return HeadResult(kd, lm if side["has_lm"] else None, _unpack_stats(stats, side["stat_type"], side["stat_fields"]))
+
+
+class _StatSums:
+    """The token-weighted sums of loss_fn's stats, field by field, and their type (checked to be one NamedTuple)."""
+
+    def __init__(self):
+        self.type, self.sums = None, []
+
+    def add(self, stats, tw: torch.Tensor, acc: torch.dtype) -> None:
+        if stats is None:
+            return
+        if not (isinstance(stats, tuple) and hasattr(stats, "_fields")):
+            raise ValueError(f"loss_fn's ChunkLoss.stats must be None or a NamedTuple of per-token tensors, got "
+                             f"{type(stats).__name__}")
+        if self.type is None:
+            self.type, self.sums = type(stats), [None] * len(stats)
+        elif type(stats) is not self.type:
+            raise ValueError(f"loss_fn must return one stats type for every chunk, got {self.type.__name__} and "
+                             f"{type(stats).__name__}")
+        for i, v in enumerate(stats):
+            if v is not None:
+                part = (v.detach().to(acc) * tw).sum()
+                self.sums[i] = part if self.sums[i] is None else self.sums[i] + part
+
+    def packed(self, like: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The reported sums stacked into one tensor (an autograd Function's output) and their field positions."""
+        fields = [i for i, v in enumerate(self.sums) if v is not None]
+        return (torch.stack([self.sums[i] for i in fields]) if fields else like.new_zeros(0)), fields
+
+
+def _unpack_stats(stacked: torch.Tensor, stat_type, fields: list[int]):
+    if stat_type is None:
+        return None
+    values = [None] * len(stat_type._fields)
+    for j, i in enumerate(fields):
+        values[i] = stacked[j]
+    return stat_type(*values)
 
 
 def _chunks(n: int, rows: int):
@@ -212,7 +251,7 @@ class _FusedHead(torch.autograd.Function):
         grads = _Grads(hidden, weight, need_h, need_w) if eager else None
         kd_sum = torch.zeros((), dtype=acc, device=hidden.device)
         lm_sum = torch.zeros_like(kd_sum)
-        stat_sums: dict[str, torch.Tensor] = {}
+        stat_sums = _StatSums()
         has_lm = None
         for r in _chunks(n, rows):
             h = hidden[r]
@@ -228,9 +267,7 @@ class _FusedHead(torch.autograd.Function):
                 kd_sum += (out.kd.detach().to(acc) * tw).sum()
                 if has_lm:
                     lm_sum += (out.lm.detach().to(acc) * tw).sum()
-                for k, v in (out.stats or {}).items():
-                    part = (v.detach().to(acc) * tw).sum()
-                    stat_sums[k] = stat_sums[k] + part if k in stat_sums else part
+                stat_sums.add(out.stats, tw, acc)
                 if eager:
                     w_kd, w_lm = coefficients
                     gz = _chunk_grad(out, z, tw * w_kd, tw * w_lm if has_lm else None)
@@ -238,9 +275,8 @@ class _FusedHead(torch.autograd.Function):
                 grads.add(r, gz, h, weight)
                 del gz  # before the next chunk's logits: one chunk's gradient alive at a time
             del z, out
-        names = list(stat_sums)
-        stats = torch.stack([stat_sums[k] for k in names]) if names else kd_sum.new_zeros(0)
-        side.update(stat_names=names, has_lm=bool(has_lm))
+        stats, fields = stat_sums.packed(kd_sum)
+        side.update(stat_type=stat_sums.type, stat_fields=fields, has_lm=bool(has_lm))
         ctx.save_for_backward(hidden, weight, token_weight)
         ctx.loss_fn, ctx.rows, ctx.coefficients, ctx.has_lm = loss_fn, rows, coefficients, bool(has_lm)
         ctx.grads = grads.result() if eager else None

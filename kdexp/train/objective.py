@@ -29,8 +29,8 @@ import torch
 
 from kdexp import distributed, models
 from kdexp.losses import KDLossOptions, SampledKDOptions
-# A term's chunk result: per-token kd [c], lm [c] (None: the objective adds the cross-entropy), stats name -> [c]
-# (logged as train/<name>); the fused head's own type.
+# A term's chunk result: per-token kd [c], lm [c] (None: the objective adds the cross-entropy), stats (TermStats or
+# None); the fused head's own type.
 from kdexp.losses.head import ChunkLoss, fused_head_loss, head_chunk_rows, teacher_head_logits, tp_copy, \
     uses_fused_head
 from kdexp.train import objectives
@@ -38,15 +38,33 @@ from kdexp.train import objectives
 log = logging.getLogger("kdexp")
 
 
+class TermStats(NamedTuple):
+    """Per-token statistics of the KD term on a chunk ([c] each; None: not reported), logged as train/<field> (their
+    token-weighted means): the teacher's mass the term keeps (the cut's, or the sampled draws' distinct ids), the
+    student's mass on the ghost token (outside the kept ids), and how many ids the term keeps."""
+
+    kept_mass: Optional[torch.Tensor] = None
+    ghost_mass: Optional[torch.Tensor] = None
+    nucleus_size: Optional[torch.Tensor] = None
+
+    def logged(self, prefix: str) -> dict:
+        return {f"{prefix}{k}": v.detach() for k, v in self._asdict().items() if v is not None}
+
+
+class _EvalStats(NamedTuple):
+    top1: torch.Tensor  # 1 where the student's and the teacher's argmax agree
+
+
 class ObjectiveResult(NamedTuple):
     """The student side of one micro-batch: token-normalised scalars. lm is None when the balancer does not need
-    it (it is then in `lm_logged`, detached); intermediate is the hidden-state loss (None without loss.intermediate)."""
+    it (it is then in `lm_logged`, detached); intermediate is the hidden-state loss (None without loss.intermediate);
+    stats the term's TermStats (token-normalised; empty when the term reports none)."""
 
     kd: torch.Tensor
     lm: Optional[torch.Tensor]
     lm_logged: torch.Tensor
     intermediate: Optional[torch.Tensor]
-    stats: dict
+    stats: TermStats
 
 
 @dataclasses.dataclass
@@ -169,9 +187,9 @@ TEACHERS: dict[str, Callable] = {"online": _online, "cached": _cached}
 
 # ------------------------------------------------------------------------------------------------------- losses
 
-def _logit_stats(stats) -> dict:
-    return {"kept_mass": stats.teacher_kept_mass, "ghost_mass": stats.student_residual_mass,
-            "nucleus_size": stats.nucleus_size.float()}
+def _logit_stats(stats) -> TermStats:
+    return TermStats(kept_mass=stats.teacher_kept_mass, ghost_mass=stats.student_residual_mass,
+                     nucleus_size=stats.nucleus_size.float())
 
 
 def _split(out, labels):
@@ -236,7 +254,7 @@ class SampledTerm:
 
         draw = self.draws(teacher, seed, device)
         mass, distinct = unique_mass(draw)
-        return draw, {"kept_mass": mass, "nucleus_size": distinct.float()}
+        return draw, TermStats(kept_mass=mass, nucleus_size=distinct.float())
 
     def chunk(self, z, side, rows: slice, labels) -> ChunkLoss:
         from kdexp.losses import sampled_kd_loss
@@ -246,7 +264,7 @@ class SampledTerm:
                               temperature=self.opts.temperature,
                               scale_by_temperature_squared=self.opts.scale_by_temperature_squared,
                               tp_group=distributed.tp_group(), labels=labels)
-        return ChunkLoss(*_split(out, labels), {k: v[rows] for k, v in stats.items()})
+        return ChunkLoss(*_split(out, labels), TermStats(*(None if v is None else v[rows] for v in stats)))
 
 
 class CachedSampledTerm(SampledTerm):
@@ -340,12 +358,13 @@ class Objective:
                 loss_fn = _masked_chunks(loss_fn, out)
             r = fused_head_loss(out.hidden, out.weight, loss_fn, token_weight=mask / denom,
                                 coefficients=coefficients, tp_group=distributed.tp_group())
-            return r.kd, r.lm, dict(r.stats)
+            return r.kd, r.lm, r.stats
         n = out.tokens
         c = loss_fn(out.logits.reshape(n, -1), slice(0, n))
         mean = objectives.masked_mean
         return (mean(c.kd, mask, denom), None if c.lm is None else mean(c.lm, mask, denom),
-                {k: mean(v, mask, denom) for k, v in c.stats.items()})
+                None if c.stats is None else type(c.stats)(*(None if v is None else mean(v.detach(), mask, denom)
+                                                             for v in c.stats)))
 
     def __call__(self, s: ModelOut, t: ModelOut, batch: dict, denom, *, seed: int = 0,
                  needs_lm: bool = True) -> ObjectiveResult:
@@ -369,8 +388,11 @@ class Objective:
         if self.pairs:
             inter = objectives.intermediate_loss(s.model, self.loss_cfg, s.layers, t.layers, batch["loss_mask"],
                                                  denom)
-            stats["intermediate_loss"] = inter
-        return ObjectiveResult(kd, lm if needs_lm else None, lm.detach(), inter, stats)
+        if stats is not None and not isinstance(stats, TermStats):
+            raise ValueError(f"{type(term).__name__}.chunk returned stats of type {type(stats).__name__}: must be None "
+                             "or kdexp.train.objective.TermStats")
+        return ObjectiveResult(kd, lm if needs_lm else None, lm.detach(), inter,
+                               TermStats() if stats is None else stats)
 
     @torch.no_grad()
     def evaluate(self, model, batch: dict, denom) -> torch.Tensor:
@@ -386,14 +408,14 @@ class Objective:
             tz = t.chunk_logits(rows)
             kl = logits_kd_loss(z, tz, top_k=None, top_p=None, ghost_token=False, tp_group=distributed.tp_group())
             same = (objectives.vocab_parallel_argmax(z) == objectives.vocab_parallel_argmax(tz)).float()
-            return ChunkLoss(kl, _cross_entropy(z, labels[rows]), {"top1": same})
+            return ChunkLoss(kl, _cross_entropy(z, labels[rows]), _EvalStats(same))
 
         mask = batch["loss_mask"].reshape(-1).float()
         if self.fused:
             kl, lm, stats = _eval_chunks(loss_fn, s, mask / denom)
         else:
             kl, lm, stats = self._apply(loss_fn, s, mask, denom)
-        return torch.stack([kl, stats["top1"], lm])
+        return torch.stack([kl, stats.top1, lm])
 
 
 def _masked_chunks(loss_fn, out: ModelOut):
@@ -403,8 +425,7 @@ def _masked_chunks(loss_fn, out: ModelOut):
 def _eval_chunks(loss_fn, out: ModelOut, token_weight) -> tuple:
     """No-grad fused evaluation: each chunk's logits formed from the hidden states, used, dropped (the head's chunk
     rule, the same on every TP rank)."""
-    kd = lm = torch.zeros((), device=token_weight.device)
-    stats: dict = {}
+    kd = lm = top1 = torch.zeros((), device=token_weight.device)
     n = out.tokens
     rows_per = head_chunk_rows(n, out.weight.shape[0], out.weight.dtype)
     for lo in range(0, n, rows_per):
@@ -413,9 +434,8 @@ def _eval_chunks(loss_fn, out: ModelOut, token_weight) -> tuple:
         c = loss_fn(z, rows)
         w = token_weight[rows]
         kd, lm = kd + (c.kd.float() * w).sum(), lm + (c.lm.float() * w).sum()
-        for k, v in c.stats.items():
-            stats[k] = stats.get(k, 0.0) + (v.float() * w).sum()
-    return kd, lm, stats
+        top1 = top1 + (c.stats.top1.float() * w).sum()
+    return kd, lm, _EvalStats(top1)
 
 
 def build(cfg, data, teacher_model, balancer, student=None) -> Objective:

@@ -30,8 +30,11 @@ def _micro_step(student, objective, batch, balancer, needs_lm: bool, denom, seed
     r = objective(s_out, t_out, batch, denom, seed=seed, needs_lm=needs_lm)
     total, _ = balancer(r.lm, r.kd, r.intermediate)  # the intermediate loss joins the KD term rescaled to |kd|
     total.backward()
-    return {"train/loss": total.detach(), "train/lm_loss": r.lm_logged, "train/kd_loss": r.kd.detach(),
-            **{f"train/{k}": v.detach() for k, v in r.stats.items()}}
+    out = {"train/loss": total.detach(), "train/lm_loss": r.lm_logged, "train/kd_loss": r.kd.detach(),
+           **r.stats.logged("train/")}
+    if r.intermediate is not None:
+        out["train/intermediate_loss"] = r.intermediate.detach()
+    return out
 
 
 def train_step(student, objective, micro_batches, balancer, cfg, needs_lm: bool, step: int = 0,
