@@ -306,7 +306,7 @@ def test_the_fused_head_is_planned_as_hidden_states_and_one_chunk():
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides", [("loss.fused_head=true",),
                                        ("loss=dense", "balancer.alpha=1.0", "loss.fused_head=true"),
-                                       (), ("loss=dense", "balancer.alpha=1.0"), ("model.attention=megatron",)])
+                                       ("loss=sampled", "loss.fused_head=true"), (), ("loss=dense", "balancer.alpha=1.0"), ("model.attention=megatron",)])
 def test_the_plan_bounds_a_real_train_step_from_above(overrides):
     """One trainer step (kdexp.train.step.train_step, after a first step allocated the optimizer state) on the CPU:
     the peak of the tensor storages it creates (kdexp.bench.losses.PeakTensorMemory) against the plan's items that

@@ -128,6 +128,29 @@ def test_draws_are_deterministic_per_seed_and_step():
     assert step_seed(1234, 10, 0) != step_seed(1234, 10, 1) != step_seed(1235, 10, 0)
 
 
+def test_draws_from_logit_rows_are_the_draws_from_the_whole_tensor(monkeypatch):
+    """LogitRows (the fused head's teacher: logits formed chunk by chunk, never whole) gives the ids, counts, logits
+    and normalisers the [n, V] tensor gives; the chunks cover every row once and none is the whole batch."""
+    from kdexp.losses import LogitRows, sampled
+
+    monkeypatch.setattr(sampled, "_CHUNK_BYTES", 3 * V * 8 * 3)  # 3 rows per chunk
+    t = torch.randn(10, V, generator=torch.Generator().manual_seed(2)) * 3
+    asked = []
+
+    def rows(r: slice) -> torch.Tensor:
+        asked.append((r.start, r.stop))
+        return t[r].clone()
+
+    src = LogitRows(10, V, t.dtype, t.device, rows)
+    for kw in (dict(temperature=1.0), dict(temperature=0.7, proposal_temperature=1.3)):
+        asked.clear()
+        whole = sample_teacher(t, samples=7, seed=5, **kw)
+        chunked = sample_teacher(src, samples=7, seed=5, **kw)
+        for a, b in zip(whole, chunked):
+            assert torch.equal(a, b)
+        assert asked == [(0, 3), (3, 6), (6, 9), (9, 10)]
+
+
 def _tp_worker(rank, world, teacher, student, seed):
     import kdexp.distributed as kd
 

@@ -21,7 +21,8 @@ call the same functions:
   `TokenSamples(ids, counts, weights, teacher_logprobs)`, `sampled_kd_loss(student_logits, ids, weights, ...)`,
   `SampledKDOptions` (loss.samples, loss.proposal_temperature and their rules); `draw_teacher(...)` ->
   `TeacherDraws` (the draws with what weighs them at any temperature: the teacher cache's "sampled" record) and
-  `weigh(draws, temperature=...)` -> `TokenSamples`, the two halves of `sample_teacher`.
+  `weigh(draws, temperature=...)` -> `TokenSamples`, the two halves of `sample_teacher`. Both take the teacher's
+  logits as a tensor or as `LogitRows` (formed chunk by chunk: the fused head's teacher).
 - The fused head: `fused_head_loss(hidden, weight, loss_fn, token_weight=..., coefficients=...)` -> `HeadResult(kd, lm,
   stats)`, the output layer and any per-token loss above chunk by chunk (`loss_fn(z, rows)` -> `ChunkLoss`), never
   the [tokens, vocab] logits; `teacher_head_logits` (an online teacher's chunk), `tp_copy` (the TP input region).
@@ -43,6 +44,7 @@ _EXPORTS = {
     "scale_to_logits_loss": "intermediate", "IntermediatePair": "options", "check_intermediate": "options",
     "SampledKDOptions": "options", "sample_teacher": "sampled", "sampled_kd_loss": "sampled", "TokenSamples": "sampled",
     "importance_weights": "sampled", "draw_teacher": "sampled", "weigh": "sampled", "TeacherDraws": "sampled",
+    "LogitRows": "sampled",
     "fused_head_loss": "head", "ChunkLoss": "head", "HeadResult": "head", "teacher_head_logits": "head",
     "tp_copy": "head",
 }

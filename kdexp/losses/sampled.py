@@ -36,7 +36,7 @@ the vocabulary per token, a searchsorted per draw.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -92,13 +92,26 @@ class TeacherDraws(NamedTuple):
     log_zq: torch.Tensor  # [...] the proposal's: log sum_v exp(centred_v / proposal_temperature)
 
 
+class LogitRows(NamedTuple):
+    """Teacher logits formed on demand, never whole: `rows(slice)` -> [c, V/tp] of `n` tokens (no grad; the fused
+    head's teacher, kdexp.losses.head.teacher_head_logits). draw_teacher / sample_teacher take it in place of a
+    [n, V/tp] tensor and draw the same ids from it."""
+
+    n: int
+    local_vocab: int
+    dtype: torch.dtype
+    device: torch.device
+    rows: Callable[[slice], torch.Tensor]
+
+
 @torch.no_grad()
-def draw_teacher(teacher_logits: torch.Tensor, *, samples: int, proposal_temperature: float = 1.0,
+def draw_teacher(teacher_logits, *, samples: int, proposal_temperature: float = 1.0,
                  temperatures=(1.0,), seed: int = 0, tp_group=None) -> TeacherDraws:
     """Draw `samples` ids per token from softmax(teacher_logits / proposal_temperature) over the global vocabulary
     (this rank holds the contiguous shard [.., V/tp]); deterministic in `seed`, the same on every TP rank. The draws
     do not depend on `temperatures`: those only add the log-normalisers of p = softmax(teacher / T) (one more pass
-    over the vocabulary per T that differs from the proposal's)."""
+    over the vocabulary per T that differs from the proposal's). `teacher_logits`: a tensor [..., V/tp], or LogitRows
+    (read chunk by chunk of rows; the uniforms are drawn per token up front, so the ids are those of the tensor)."""
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"samples must be an integer >= 1, got {samples!r}")
     temps = [float(t) for t in temperatures]
@@ -107,10 +120,16 @@ def draw_teacher(teacher_logits: torch.Tensor, *, samples: int, proposal_tempera
             raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
     if not temps:
         raise ValueError("temperatures must list at least one temperature")
-    lead = teacher_logits.shape[:-1]
-    t_all = teacher_logits.reshape(-1, teacher_logits.shape[-1])
-    n, vl = t_all.shape
-    device = t_all.device
+    if isinstance(teacher_logits, LogitRows):
+        lead, n, vl = (teacher_logits.n,), teacher_logits.n, teacher_logits.local_vocab
+        device, dtype, get = teacher_logits.device, teacher_logits.dtype, teacher_logits.rows
+    else:
+        lead = teacher_logits.shape[:-1]
+        t_all = teacher_logits.reshape(-1, teacher_logits.shape[-1])
+        (n, vl), device, dtype = t_all.shape, t_all.device, t_all.dtype
+
+        def get(r: slice) -> torch.Tensor:
+            return t_all[r]
     shard = Shard.make(vl, tp_group, device)
     gen = torch.Generator(device="cpu").manual_seed(int(seed))
     u_all = torch.rand(n, samples, generator=gen, dtype=torch.float64).sort(dim=1).values.to(device)
@@ -121,9 +140,9 @@ def draw_teacher(teacher_logits: torch.Tensor, *, samples: int, proposal_tempera
     rows = _rows(vl * 8 * 3, n)
     # The proposal's terms exp((t - m) / T_q) in float32 (float64 for float64 logits): elementwise, so identical on
     # every TP size; their running sum in float64, so that tail probabilities far below float32's epsilon stay exact.
-    wdtype = torch.float64 if teacher_logits.dtype == torch.float64 else torch.float32
+    wdtype = torch.float64 if dtype == torch.float64 else torch.float32
     for lo in range(0, n, rows):
-        t = t_all[lo:lo + rows].to(wdtype)
+        t = get(slice(lo, min(n, lo + rows))).to(wdtype)
         m = shard.row_max(t, wdtype)[:, None]  # global max: the same on every rank
         w = t.sub(m).div_(proposal_temperature).exp_()
         cum = torch.cumsum(w, 1, dtype=torch.float64)
@@ -177,20 +196,21 @@ def weigh(draws: TeacherDraws, *, temperature: float, proposal_temperature: floa
 
 
 @torch.no_grad()
-def sample_teacher(teacher_logits: torch.Tensor, *, samples: int, proposal_temperature: float = 1.0,
+def sample_teacher(teacher_logits, *, samples: int, proposal_temperature: float = 1.0,
                    temperature: float = 1.0, seed: int = 0, normalize: bool = True,
                    tp_group=None) -> TokenSamples:
     """Draw `samples` ids per token from softmax(teacher_logits / proposal_temperature) over the global vocabulary
     (this rank holds the contiguous shard [.., V/tp]); deterministic in `seed`, the same on every TP rank:
     `weigh(draw_teacher(...))`.
 
+    teacher_logits: a tensor, or LogitRows (formed chunk by chunk, see draw_teacher).
     normalize=True: weights c p / q normalised to sum 1 (the paper's sparse target; exactly unbiased when the two
     temperatures are equal, O(1/samples) bias otherwise). normalize=False: weights (c / samples) p / q, the plain
     importance-sampling estimate, unbiased for any proposal (E[w] = p) at a higher variance; they need not sum to 1."""
     draws = draw_teacher(teacher_logits, samples=samples, proposal_temperature=proposal_temperature,
                          temperatures=(temperature,), seed=seed, tp_group=tp_group)
     return weigh(draws, temperature=temperature, proposal_temperature=proposal_temperature, normalize=normalize,
-                 dtype=torch.float64 if teacher_logits.dtype == torch.float64 else torch.float32)
+                 dtype=torch.float64 if teacher_logits.dtype == torch.float64 else torch.float32)  # LogitRows too
 
 
 def importance_weights(counts: torch.Tensor, log_ratio: torch.Tensor | None = None, *,

@@ -204,15 +204,12 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
                                                                                                    logits_dtype))
         if layout is not None:  # a cache record's rows are views of the batch's record
             chunk.pop("teacher logits")
-        online_sampled = layout is None and SampledKDOptions.from_config(cfg.loss).enabled
         logits = sizing.fused_head_bytes(tokens, vocab, student.hidden_size, teacher.hidden_size, e,
                                          chunk_rows=rows, chunk=chunk,
-                                         cache_record=None if layout is None else layout.decoded_bytes_per_token(),
-                                         teacher_logits_whole=online_sampled)
+                                         cache_record=None if layout is None else layout.decoded_bytes_per_token())
         notes = {"teacher hidden states": f"[{tokens}, {teacher.hidden_size}] {dt}",
                  "teacher cache record": None if layout is None else
                  f"{layout.describe()} per token, as read (fp32 values, int64 ids); teacher weights kept for eval",
-                 "teacher logits (sampled draws)": f"{shape} {dt}, no grad, before the student's head",
                  "head hidden states": f"[{tokens}, {student.hidden_size}] {dt}",
                  "head gradients": f"hidden states {dt} + output weight [{vocab}, {student.hidden_size}] fp32",
                  "head chunk working set": f"{rows} tokens: logits, gradients, loss buffers"}

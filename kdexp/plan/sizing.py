@@ -194,18 +194,16 @@ def recompute_flops_per_token(spec: Qwen3Spec, seq: int, recompute: str) -> floa
 
 
 def fused_head_bytes(tokens: int, local_vocab: int, hidden: int, teacher_hidden: int, act_bytes: int, *,
-                     chunk_rows: int, chunk: dict, cache_record: int | None = None,
-                     teacher_logits_whole: bool = False) -> dict[str, float]:
+                     chunk_rows: int, chunk: dict, cache_record: int | None = None) -> dict[str, float]:
     """The output layer fused into the objective (loss.fused_head, kdexp.losses.head), per TP rank, at its peak:
     the teacher's final hidden states [tokens, H_t] (or the batch's cache record), the student's as the head reads
     them [tokens, H] (a token-major copy, kept for the backward), the head's gradients (the hidden states', and the
     output weight's accumulated in fp32 [V/t, H], plus its cast when the weight is not fp32), and one chunk of tokens'
-    logit working set: `chunk`, the whole-logits items (logits_bytes) of `chunk_rows` tokens. `teacher_logits_whole`:
-    sampled KD from an online teacher draws from its whole logits once (no grad) before the student's head."""
+    logit working set: `chunk`, the whole-logits items (logits_bytes) of `chunk_rows` tokens. Sampled KD from an
+    online teacher draws from its logits chunk by chunk (no grad) before the student's head: nothing at the peak."""
     return {
         **({"teacher hidden states": tokens * teacher_hidden * act_bytes} if cache_record is None else
            {"teacher cache record": tokens * cache_record}),
-        "teacher logits (sampled draws)": tokens * local_vocab * act_bytes if teacher_logits_whole else 0.0,
         "head hidden states": tokens * hidden * act_bytes,
         "head gradients": tokens * hidden * act_bytes + local_vocab * hidden * (4 + (act_bytes if act_bytes != 4 else 0)),
         "head chunk working set": sum(chunk.values()),

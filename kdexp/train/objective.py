@@ -93,6 +93,15 @@ class ModelOut:
             return self.logits.reshape(-1, self.logits.shape[-1])[rows]
         return self.masked(teacher_head_logits(self.hidden, self.weight, rows))
 
+    def all_logits(self):
+        """Every token's logits for a reader that goes through them chunk by chunk (sampled KD's draws): the whole
+        [n, V/tp] tensor on the reference path, else kdexp.losses.LogitRows over `chunk_logits` (never formed whole)."""
+        if self.logits is not None:
+            return self.logits.reshape(-1, self.logits.shape[-1])
+        from kdexp.losses import LogitRows
+
+        return LogitRows(self.tokens, self.weight.shape[0], self.weight.dtype, self.weight.device, self.chunk_logits)
+
     def masked(self, z: torch.Tensor) -> torch.Tensor:
         """A chunk formed from the hidden states with the padded columns at -inf (the hook's rule, models.vocab)."""
         return z if self.vocab_mask is None else z.masked_fill(self.vocab_mask, -math.inf)
@@ -245,7 +254,7 @@ class SampledTerm:
         from kdexp.losses import sample_teacher
 
         s = self.sampled
-        return sample_teacher(teacher.chunk_logits(slice(0, teacher.tokens)), samples=s.samples,
+        return sample_teacher(teacher.all_logits(), samples=s.samples,
                               proposal_temperature=s.proposal_temperature, temperature=self.opts.temperature,
                               seed=seed, normalize=s.normalize_weights, tp_group=distributed.tp_group())
 
