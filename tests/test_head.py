@@ -25,9 +25,12 @@ from typing import NamedTuple
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kdexp.losses import cached_kd_loss, logits_kd_loss, sample_teacher, sampled_kd_loss, teacher_topk_record
-from kdexp.losses.head import ChunkLoss, fused_head_loss, head_chunk_rows, teacher_head_logits, tp_copy
+from kdexp.losses.head import CHUNK_ALIGN, CHUNK_FRACTION, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, ChunkLoss, fused_head_loss, \
+    head_chunk_rows, teacher_head_logits, tp_copy
 
 N, H, HT, V = 13, 8, 12, 48
 IGNORE = -100
@@ -316,9 +319,30 @@ def test_a_stat_reported_by_some_chunks_only_is_summed_over_those():
 
 
 def test_chunk_rule():
-    assert head_chunk_rows(2048, 151936, torch.float32) == 64  # 1/32 of the fp32 logits
+    assert head_chunk_rows(2048, 151936, torch.float32) == 96  # <= 1/20 of the fp32 logits, a multiple of 16
+    assert head_chunk_rows(4096, 151936, torch.bfloat16) == 192  # the fp32 accumulation dtype sizes it
     assert head_chunk_rows(10, 100, torch.float32) == 10  # small: one chunk
+    assert head_chunk_rows(100, 151936, torch.float32) == 6  # the 4 MiB floor, below the alignment: equal heights
     assert head_chunk_rows(10, 100, torch.float32, 3) == 3
+
+
+@given(n=st.integers(1, 70_000), vocab=st.integers(1, 300_000))
+@settings(max_examples=400, deadline=None)
+def test_chunk_rule_properties(n, vocab):
+    """Within the byte budget; aligned to 16 rows whenever the budget holds 16 and one chunk does not; no more chunks
+    than the (aligned) budget needs, and no taller than those chunks need."""
+    rows = head_chunk_rows(n, vocab, torch.float32)
+    row = vocab * 4
+    budget = min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, n * row // CHUNK_FRACTION))
+    fit = max(1, min(n, budget // row))
+    assert 1 <= rows <= fit
+    if fit < n and fit >= CHUNK_ALIGN:
+        assert rows % CHUNK_ALIGN == 0
+        assert -(-n // rows) == -(-n // (fit - fit % CHUNK_ALIGN))  # as few chunks as the aligned budget allows
+        even = -(-n // -(-n // rows))  # that many chunks of equal height
+        assert rows - CHUNK_ALIGN < even <= rows  # the smallest aligned height for them: no needless sliver
+    else:
+        assert -(-n // rows) == -(-n // fit)
 
 
 def _tp_worker(rank, world, cases):
@@ -354,9 +378,13 @@ def test_tp2_matches_tp1_over_gloo():
 
 def test_bench_runs_tiny():
     out = subprocess.run([sys.executable, "-m", "kdexp.bench.head", "--tokens", "64", "--hidden", "32",
-                          "--teacher-hidden", "48", "--vocab", "2048", "--top-k", "32", "--repeats", "1"],
+                          "--teacher-hidden", "48", "--vocab", "2048", "--top-k", "32", "--repeats", "2"],
                          capture_output=True, text=True, timeout=300, check=True)
     res = json.loads(out.stdout.strip().splitlines()[-1])
     for key in ("peak_vs_fp32_logits", "time_ratio", "unfused_peak_vs_fp32_logits", "unfused_s", "fused_s"):
         assert key in res, key
     assert res["max_abs_loss_diff"] <= 1e-5
+    # two interleaved rounds: the ratio is the median of the per-round ratios
+    assert res["rounds"] == 2 and len(res["unfused_times_s"]) == len(res["fused_times_s"]) == 2
+    assert len(res["round_ratios"]) == 2 and all(r > 0 for r in res["round_ratios"])
+    assert min(res["round_ratios"]) <= res["time_ratio"] <= max(res["round_ratios"])

@@ -1,7 +1,7 @@
 """Benchmark of the fused output head (kdexp.losses.head) against the unfused head + loss, in one process.
 
     python -m kdexp.bench.head [--tokens 2048] [--hidden 1024] [--teacher-hidden 2048] [--vocab 151936]
-                               [--top-k 1024] [--alpha 0.5] [--chunk-tokens N] [--repeats 1] [--threads N]
+                               [--top-k 1024] [--alpha 0.5] [--chunk-tokens N] [--repeats 3] [--threads N]
                                [--modes coeff,recompute]
 
 The default is Qwen3-0.6B's head (H 1024, V 151,936; the student's output weight is a leaf parameter, as Qwen3-0.6B's
@@ -22,9 +22,12 @@ and are not counted; the teacher's and student's logits, their gradients, the lo
 coeff mode, nothing else of size V are. What it cannot see: memory allocated inside one kernel without a tensor
 (BLAS packing buffers, small). Both paths are measured the same way, in the same process, on the same inputs.
 `peak_vs_fp32_logits` = fused (coeff) peak extra / bytes of one fp32 [tokens, V] tensor.
-Time: wall-clock fwd+bwd outside the dispatch mode, the median of --repeats runs after the measured (warm-up) run;
---repeats 0 times the measured run itself (the mode costs a Python call per op: well under 1% at full size).
-On a shared CPU the numbers are noisy: compare ratios from one process.
+Time: wall-clock fwd+bwd outside the dispatch mode. After each path's measured (warm-up) run, --repeats rounds time
+every path once each, in turn (unfused, fused coeff, fused recompute), so that a slow spell of a shared CPU hits all
+of them; a ratio is the median over rounds of that round's fused / unfused time (its spread: the `*_round_ratios`
+lists), the seconds are per-path medians. --repeats 0 times the measured runs themselves (the mode costs a Python
+call per op: well under 1% at full size). Single runs on this 2-core CPU scattered from 1.04 to 1.35 for one
+setting: compare the median ratio of several rounds.
 
 The last stdout line is one JSON object: peak_vs_fp32_logits, time_ratio (fused coeff / unfused),
 recompute_peak_vs_fp32_logits, recompute_time_ratio, the unfused numbers and the agreement of the two paths.
@@ -93,18 +96,23 @@ def _fwd_bwd(path, hidden0, weight0, rest, a):
 
 
 def measure(path, hidden, weight, rest, a):
-    """(values, grads, peak extra bytes, seconds per fwd+bwd (median), all seconds)."""
+    """One measured run: (values, grads, peak extra bytes, seconds)."""
     t0 = time.perf_counter()
     with StorageTimeline() as tl:
         vals, gh, gw = _fwd_bwd(path, hidden, weight, rest, a)
         peak = tl.peak_excluding([gh, gw])
-    times = [time.perf_counter() - t0] if a.repeats == 0 else []
-    for _ in range(a.repeats):
-        del gh, gw
-        t0 = time.perf_counter()
-        vals, gh, gw = _fwd_bwd(path, hidden, weight, rest, a)
-        times.append(time.perf_counter() - t0)
-    return vals, (gh, gw), peak, statistics.median(times), times
+    return vals, (gh, gw), peak, time.perf_counter() - t0
+
+
+def timed_rounds(paths: dict, hidden, weight, rest, a, rounds: int) -> dict[str, list[float]]:
+    """Seconds of fwd+bwd per path, `rounds` times, the paths in turn within each round."""
+    times = {name: [] for name in paths}
+    for _ in range(rounds):
+        for name, path in paths.items():
+            t0 = time.perf_counter()
+            _fwd_bwd(path, hidden, weight, rest, a)
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -121,8 +129,9 @@ def main(argv=None):
     ap.add_argument("--teacher-scale", type=float, default=5.0)
     ap.add_argument("--alpha", type=float, default=0.5, help="total = (1 - alpha) lm + alpha kd")
     ap.add_argument("--chunk-tokens", type=int, default=None, help="default: kdexp.losses.head.head_chunk_rows")
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="timed runs after the measured warm-up run (0: time the measured run itself)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed rounds after the measured warm-up runs, the paths in turn within each round (0: time "
+                         "the measured runs themselves)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--modes", default="coeff,recompute")
     a = ap.parse_args(argv)
@@ -139,28 +148,48 @@ def main(argv=None):
     print(f"head bench: tokens {a.tokens}, H {a.hidden}, teacher H {a.teacher_hidden}, V {a.vocab}, top-k {a.top_k}, "
           f"chunk {rows} tokens, threads {torch.get_num_threads()}; one fp32 [tokens, V] = {logits_bytes / 2**20:.0f} "
           "MiB", flush=True)
-    vals_u, (gh_u, gw_u), peak_u, sec_u, times_u = measure(unfused, hidden, weight, rest, a)
+    paths = {"unfused": unfused}
+    paths.update({mode: (lambda *x, m=mode: fused(*x, m)) for mode in modes})
+    measured = {}
+    for name, path in paths.items():  # values, gradients and memory; each path's warm-up
+        vals, grads, peak, sec = measure(path, hidden, weight, rest, a)
+        if name == "unfused":
+            ref_vals, ref_grads = vals, grads
+            diff = None
+        else:
+            diff = (max(abs(x - y) for x, y in zip(vals, ref_vals)),
+                    max(_rel(g, r) for g, r in zip(grads, ref_grads)))
+        measured[name] = (vals, peak, sec, diff)
+        del grads
+    del ref_grads
+    times = timed_rounds(paths, hidden, weight, rest, a, a.repeats) if a.repeats else \
+        {name: [m[2]] for name, m in measured.items()}
+    vals_u, peak_u = measured["unfused"][0], measured["unfused"][1]
+    sec_u = statistics.median(times["unfused"])
     print(f"unfused: {sec_u:.2f} s, peak extra {peak_u / 2**20:.0f} MiB ({peak_u / logits_bytes:.3f} x fp32 logits)"
           f", kd {vals_u[0]:.6f} lm {vals_u[1]:.6f}", flush=True)
     out = dict(tokens=a.tokens, hidden=a.hidden, teacher_hidden=a.teacher_hidden, vocab=a.vocab, top_k=a.top_k,
-               chunk_tokens=rows, threads=torch.get_num_threads(), fp32_logits_bytes=logits_bytes,
-               unfused_peak_bytes=peak_u, unfused_peak_vs_fp32_logits=round(peak_u / logits_bytes, 4),
-               unfused_s=round(sec_u, 3), unfused_times_s=[round(t, 3) for t in times_u])
+               chunk_tokens=rows, threads=torch.get_num_threads(), rounds=a.repeats or 1,
+               fp32_logits_bytes=logits_bytes, unfused_peak_bytes=peak_u,
+               unfused_peak_vs_fp32_logits=round(peak_u / logits_bytes, 4), unfused_s=round(sec_u, 3),
+               unfused_times_s=[round(t, 3) for t in times["unfused"]])
     diffs = []
     for mode in modes:
-        vals, (gh, gw), peak, sec, times = measure(lambda *x, m=mode: fused(*x, m), hidden, weight, rest, a)
-        loss_diff = max(abs(x - y) for x, y in zip(vals, vals_u))
-        grad_diff = max(_rel(gh, gh_u), _rel(gw, gw_u))
+        _, peak, _, (loss_diff, grad_diff) = measured[mode]
         diffs.append((loss_diff, grad_diff))
-        del gh, gw
-        print(f"fused {mode}: {sec:.2f} s ({sec / sec_u:.3f} x unfused), peak extra {peak / 2**20:.0f} MiB "
+        sec = statistics.median(times[mode])
+        ratios = [f / u for f, u in zip(times[mode], times["unfused"])]
+        ratio = statistics.median(ratios)
+        print(f"fused {mode}: {sec:.2f} s ({ratio:.3f} x unfused, median of {len(ratios)} round(s): "
+              f"{', '.join(f'{r:.3f}' for r in ratios)}), peak extra {peak / 2**20:.0f} MiB "
               f"({peak / logits_bytes:.3f} x fp32 logits), |loss diff| {loss_diff:.2e}, grad rel diff {grad_diff:.2e}",
               flush=True)
         key = "" if mode == "coeff" else "recompute_"
         out.update({f"{key}peak_bytes" if key else "fused_peak_bytes": peak,
                     f"{key}peak_vs_fp32_logits": round(peak / logits_bytes, 4),
-                    f"{key}time_ratio": round(sec / sec_u, 4), f"{key or 'fused_'}s": round(sec, 3),
-                    f"{key or 'fused_'}times_s": [round(t, 3) for t in times]})
+                    f"{key}time_ratio": round(ratio, 4), f"{key}round_ratios": [round(r, 4) for r in ratios],
+                    f"{key or 'fused_'}s": round(sec, 3),
+                    f"{key or 'fused_'}times_s": [round(t, 3) for t in times[mode]]})
     out.update(max_abs_loss_diff=max(d[0] for d in diffs), max_rel_grad_diff=max(d[1] for d in diffs))
     print(json.dumps(out))
 
