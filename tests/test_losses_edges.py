@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from _kd_reference import reference_kd
 from kdexp.losses import (_native, cached_kd_loss, draw_teacher, logits_kd_loss, sample_teacher, sampled_kd_loss,
@@ -250,6 +252,43 @@ def test_global_topk_follows_the_tie_rule_on_many_ties():
         assert torch.equal(idx, order) and torch.equal(vals, x.gather(1, order))
         vals, idx = shard.global_topk(x, k, torch.float32, sort=False)
         assert torch.equal(idx.sort(1).values, order.sort(1).values)
+
+
+def test_the_sorted_winners_follow_the_tie_rule_in_rows_with_and_without_ties():
+    """global_topk sorts its winners with one sort by value and re-orders only rows holding equal values (or NaNs)
+    by the rule: mixed rows (distinct, tied, -inf padded, NaN) against the rule's definition, a sort by (value
+    descending, id ascending)."""
+    from kdexp.losses._shard import _sorted
+    g = torch.Generator().manual_seed(3)
+    vals = torch.randn(64, 40, generator=g, dtype=torch.float64)
+    vals[8:16] = torch.randint(0, 3, (8, 40), generator=g).double()  # full of ties
+    vals[16:24, 30:] = -math.inf  # padded vocabulary
+    vals[24:28, ::7] = math.nan
+    vals[28:32] = vals[28:32].to(torch.bfloat16).double()  # some equal after rounding
+    ids = torch.stack([torch.randperm(400, generator=g)[:40] for _ in range(64)])
+    by_id = ids.argsort(dim=1)
+    ref = by_id.gather(1, vals.gather(1, by_id).argsort(dim=1, descending=True, stable=True))
+    got_vals, got_ids = _sorted(vals.clone(), ids.clone())
+    assert torch.equal(got_ids, ids.gather(1, ref))
+    assert torch.equal(got_vals.nan_to_num(7.0), vals.gather(1, ref).nan_to_num(7.0))
+
+
+@given(data=st.data(), rows=st.integers(0, 4), width=st.integers(0, 12))
+@settings(max_examples=300, deadline=None)
+def test_the_sorted_winners_follow_the_tie_rule_on_any_values(data, rows, width):
+    """Property: for any values (drawn from a small set, so ties are common, with +-inf and NaN) and distinct ids,
+    _sorted gives the order of the rule's definition."""
+    from kdexp.losses._shard import _sorted
+    pool = st.sampled_from([0.0, 1.0, -1.0, 2.5, math.inf, -math.inf, math.nan])
+    vals = torch.tensor([[data.draw(pool) for _ in range(width)] for _ in range(rows)],
+                        dtype=torch.float32).reshape(rows, width)
+    ids = torch.tensor([data.draw(st.permutations(range(50)))[:width] for _ in range(rows)],
+                       dtype=torch.int64).reshape(rows, width)
+    by_id = ids.argsort(dim=1)
+    ref = by_id.gather(1, vals.gather(1, by_id).argsort(dim=1, descending=True, stable=True))
+    got_vals, got_ids = _sorted(vals.clone(), ids.clone())
+    assert torch.equal(got_ids, ids.gather(1, ref))
+    assert torch.equal(got_vals.nan_to_num(7.0), vals.gather(1, ref).nan_to_num(7.0))
 
 
 def _tp_tie_worker(rank, world):
