@@ -346,8 +346,10 @@ def test_the_plan_bounds_a_real_train_step_from_above(overrides):
                                              (("loss=dense", "balancer.alpha=1.0"), 1.15),
                                              # no top_k: the plan sizes the 1,024 initial candidates, the loss keeps
                                              # only the widest nucleus of the chunk (and, the LM loss fused, its
-                                             # student probabilities over that width)
-                                             (("loss=top_p",), 1.45)])
+                                             # student probabilities over that width), and the candidates' sort
+                                             # makes one sort's temporaries (measured 1.49; 1.31 with the tie rule's
+                                             # two sorts on every row)
+                                             (("loss=top_p",), 1.55)])
 def test_the_plan_bounds_the_kd_loss_alone(overrides, tight):
     """The KD loss's fwd+bwd on the step's [tokens, V] logits (stats on, as the trainer asks): the peak of the storages
     it creates against the plan's loss items (chunk buffer + O(K) temporaries, saved values, the KD logit gradient):
