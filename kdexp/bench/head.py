@@ -164,7 +164,7 @@ def main(argv=None):
     del ref_grads
     times = timed_rounds(paths, hidden, weight, rest, a, a.repeats) if a.repeats else \
         {name: [m[2]] for name, m in measured.items()}
-    vals_u, peak_u = measured["unfused"][0], measured["unfused"][1]
+    vals_u, peak_u, _, _ = measured["unfused"]
     sec_u = statistics.median(times["unfused"])
     print(f"unfused: {sec_u:.2f} s, peak extra {peak_u / 2**20:.0f} MiB ({peak_u / logits_bytes:.3f} x fp32 logits)"
           f", kd {vals_u[0]:.6f} lm {vals_u[1]:.6f}", flush=True)
@@ -173,10 +173,8 @@ def main(argv=None):
                fp32_logits_bytes=logits_bytes, unfused_peak_bytes=peak_u,
                unfused_peak_vs_fp32_logits=round(peak_u / logits_bytes, 4), unfused_s=round(sec_u, 3),
                unfused_times_s=[round(t, 3) for t in times["unfused"]])
-    diffs = []
     for mode in modes:
         _, peak, _, (loss_diff, grad_diff) = measured[mode]
-        diffs.append((loss_diff, grad_diff))
         sec = statistics.median(times[mode])
         ratios = [f / u for f, u in zip(times[mode], times["unfused"])]
         ratio = statistics.median(ratios)
@@ -190,6 +188,7 @@ def main(argv=None):
                     f"{key}time_ratio": round(ratio, 4), f"{key}round_ratios": [round(r, 4) for r in ratios],
                     f"{key or 'fused_'}s": round(sec, 3),
                     f"{key or 'fused_'}times_s": [round(t, 3) for t in times[mode]]})
+    diffs = [measured[mode][3] for mode in modes]
     out.update(max_abs_loss_diff=max(d[0] for d in diffs), max_rel_grad_diff=max(d[1] for d in diffs))
     print(json.dumps(out))
 

@@ -141,20 +141,23 @@ def _topk_lowest_ids(x: torch.Tensor, k: int):
     return vals, idx
 
 
+def _by_rule(vals: torch.Tensor, idx: torch.Tensor):
+    """(vals, idx) ordered by the tie rule of global_topk, value descending, then id ascending: ids sorted first,
+    then a stable sort by value."""
+    idx, by_id = torch.sort(idx, dim=-1)
+    vals, order = torch.sort(vals.gather(-1, by_id), dim=-1, descending=True, stable=True)
+    return vals, idx.gather(-1, order)
+
+
 def _sorted(vals: torch.Tensor, idx: torch.Tensor):
-    """(vals, idx) ordered by value descending, then id ascending (the tie rule of global_topk). One sort by value;
-    only rows holding equal values (rare: equal logits, bf16, -inf padding) or NaNs are ordered again by the rule itself:
-    ids sorted first, then a stable sort by value."""
+    """[rows, k] (vals, idx) ordered by the tie rule (_by_rule) with one sort by value; only rows holding equal values
+    (rare: equal logits, bf16, -inf padding) or NaNs, where that sort's order is arbitrary, are ordered by the rule."""
     vals, order = torch.sort(vals, dim=-1, descending=True)
     idx = idx.gather(-1, order)
-    if vals.shape[-1] < 2 or vals.shape[0] == 0:
-        return vals, idx
     tied = ((vals[:, 1:] == vals[:, :-1]) | vals[:, 1:].isnan()).any(-1)  # NaNs too: the rule orders them by id
     if bool(tied.any()):
         rows = tied.nonzero()[:, 0]
-        ids, by_id = torch.sort(idx[rows], dim=-1)
-        v, o = torch.sort(vals[rows].gather(-1, by_id), dim=-1, descending=True, stable=True)
-        vals[rows], idx[rows] = v, ids.gather(-1, o)
+        vals[rows], idx[rows] = _by_rule(vals[rows], idx[rows])
     return vals, idx
 
 

@@ -41,7 +41,8 @@ _MiB = 1 << 20
 # gradient, the online teacher's chunk), so the head's working set is at most ~3/20 of the full logits. Each chunk's
 # matmuls stream the whole output weight, so taller chunks are faster, and heights that are a multiple of
 # CHUNK_ALIGN rows run at the BLAS's full speed: on Qwen3-0.6B's head (kdexp.bench.head, 2-core CPU) 64 rows took
-# 1.25x the unfused time, 96 rows 1.11x, and a 98-row [V, H] x [H, c] matmul 1.2-1.3x as long as a 96-row one.
+# 1.24x the unfused time, 96 rows 1.14x (medians of 3 rounds), and a 98-row [V, H] x [H, c] matmul 1.2-1.3x as long
+# as a 96-row one.
 CHUNK_FRACTION = 20
 CHUNK_ALIGN = 16
 MIN_CHUNK_BYTES = 4 * _MiB
@@ -89,11 +90,10 @@ def head_chunk_rows(n: int, local_vocab: int, dtype: torch.dtype, chunk_tokens: 
     row = local_vocab * torch.finfo(_acc_dtype(dtype)).bits // 8
     budget = min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, n * row // CHUNK_FRACTION))
     rows = max(1, min(n, budget // row))
-    if rows == n or rows < CHUNK_ALIGN:
-        return -(-n // -(-n // rows))  # as many chunks, of equal height
-    rows -= rows % CHUNK_ALIGN
-    even = -(-n // -(-n // rows))  # the same number of chunks, of equal height...
-    return -(-even // CHUNK_ALIGN) * CHUNK_ALIGN  # ...rounded up to the alignment (never above rows)
+    align = CHUNK_ALIGN if CHUNK_ALIGN <= rows < n else 1
+    rows -= rows % align
+    even = -(-n // -(-n // rows))  # as many chunks, of equal height...
+    return -(-even // align) * align  # ...rounded up to the alignment (never above rows)
 
 
 def uses_fused_head(setting, tokens: int, local_vocab: int) -> bool:
