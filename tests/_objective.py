@@ -1,10 +1,10 @@
-"""The trainer's objective (kdexp.train.objective) on given logits, for tests: built through the registry as setup
+"""The trainer's objective (kdexp.objective) on given logits, for tests: built through the registry as setup
 builds it, on the reference (unfused) path; kd and stats are masked means over the batch's own tokens."""
 from __future__ import annotations
 
 import torch
 
-from kdexp.train import objective
+from kdexp import objective
 
 
 def kd_loss(student: torch.Tensor, teacher, mask: torch.Tensor, loss_cfg, *, sample_index=None, seed: int = 0):

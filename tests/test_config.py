@@ -394,7 +394,7 @@ def test_experiment_and_arm_files_set_no_value_they_would_get_anyway(path):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# The loss and balancer groups build through their one factory (kdexp.train.objectives uses the same calls).
+# The loss and balancer groups build through their one factory (kdexp.objective uses the same calls).
 @pytest.mark.parametrize("option", ["loss=topk", "loss=dense", "loss=top_p", "loss=renorm_topk", "arm=before"])
 def test_every_loss_option_gives_the_keywords_of_the_loss(option):
     import torch
@@ -418,6 +418,6 @@ def test_every_loss_option_gives_the_keywords_of_the_loss(option):
     (["arm=before"], "DynamicBalancer(kd_loss_scale=1.0, skip_lm_loss=True)"),
 ])
 def test_the_trainer_builds_the_configured_balancer(overrides, built):
-    from kdexp.train.objectives import build_balancer
+    from kdexp.objective import build_balancer
 
     assert repr(build_balancer(cfg_of(*overrides).balancer)) == built

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _lone_process import lone_process
-from kdexp.train import objective
+from kdexp import objective
 from test_readme import parse
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
@@ -27,16 +27,18 @@ def _block(lang: str) -> str:
 
 
 @pytest.fixture
-def registered(monkeypatch):
-    """The page's Python block run as printed (its register_loss call included); the registration ends with the
-    test."""
-    monkeypatch.setattr(objective, "FAMILIES", dict(objective.FAMILIES))
-    monkeypatch.setattr(objective, "LOSSES", dict(objective.LOSSES))
+def registered():
+    """The page's Python block run as printed (its register_loss call included); the registry is restored when the
+    test ends."""
+    saved = dict(objective.FAMILIES), dict(objective.LOSSES)
     ns: dict = {"__name__": "extending_doc"}
     exec(compile(_block("python"), str(PAGE), "exec"), ns)
     assert objective.FAMILIES["logit_mse"] == "logit_mse"
     assert objective.LOSSES[("logit_mse", "online")] is ns["LogitMSETerm"]
-    return ns
+    yield ns
+    for table, before in zip((objective.FAMILIES, objective.LOSSES), saved):
+        table.clear()
+        table.update(before)
 
 
 def test_the_documented_term_matches_its_formula(registered):

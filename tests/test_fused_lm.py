@@ -3,7 +3,7 @@ gradient as the KD loss plus a separate cross-entropy, for the online, cached an
 and in the trainer's step (fused against unfused: the same parts and the same parameter gradients).
 
 References: torch's cross_entropy in float64 (ignore_index for labels outside the vocabulary), the unfused loss
-for the KD half, and megatron's vocab-parallel cross-entropy (objectives.lm_loss) in the step.
+for the KD half, and megatron's vocab-parallel cross-entropy (kdexp.objective.lm_loss) in the step.
 """
 from __future__ import annotations
 
@@ -112,7 +112,7 @@ def test_fused_lm_refuses_what_it_cannot_serve():
 
 def test_the_step_rule_fuses_sparse_and_sampled_losses_at_temperature_one():
     from kdexp.config import LossConfig
-    from kdexp.train import objective
+    from kdexp import objective
 
     def fuses_lm(c):  # the term the registry builds for an online teacher
         return objective.LOSSES[(objective.family(c), "online")](c, None).fuses_lm
@@ -175,7 +175,8 @@ def test_the_trainers_step_fused_and_unfused_agree(overrides, monkeypatch):
     from _lone_process import lone_process
     from kdexp.bench import gpu_scale
     from kdexp.data import batches
-    from kdexp.train import loop, objectives
+    from kdexp.train import loop
+    from kdexp.train.batches import batch_to
     from kdexp.train.step import train_step
 
     with initialize_config_module(config_module="kdexp.conf", version_base="1.3"):
@@ -184,7 +185,7 @@ def test_the_trainers_step_fused_and_unfused_agree(overrides, monkeypatch):
     with lone_process(seed=1) as st:
         s = loop.setup(cfg, make_teacher=gpu_scale._random_teacher)
         assert s.objective.fuses_lm
-        batch = objectives.batch_to(next(iter(batches(s.data.train_ds, micro_batch_size=cfg.trainer.micro_batch_size,
+        batch = batch_to(next(iter(batches(s.data.train_ds, micro_batch_size=cfg.trainer.micro_batch_size,
                                                       dp_rank=0, dp_size=1))), st.device)
         runs = []
         for fuse in (True, False):

@@ -17,7 +17,7 @@ import kdexp.distributed as kd
 from kdexp.config import validate
 from kdexp.distributed.testing import run_on_processes
 from kdexp.models import capture_hidden, load_hf, vocab_parallel_logits
-from kdexp.train import objectives
+from kdexp import objective
 
 VOCAB = 128
 PAIRS = [SimpleNamespace(student=0, teacher=1, kind="cosine"), SimpleNamespace(student=1, teacher=0, kind="mse")]
@@ -61,15 +61,15 @@ def _run(pair, tp_group_ready=True):
     """Load both, attach the projections (seeded), forward under the hooks, the loss and its backward."""
     teacher, student = load_hf(pair["teacher"][0]), load_hf(pair["student"][0])
     kd.reseed(11)
-    objectives.attach_intermediate(student, LOSS, teacher.kdexp_spec.hidden_size)
-    s_layers, t_layers = objectives.intermediate_layers(LOSS)
+    objective.attach_intermediate(student, LOSS, teacher.kdexp_spec.hidden_size)
+    s_layers, t_layers = objective.intermediate_layers(LOSS)
     with torch.no_grad(), capture_hidden(teacher, t_layers) as t_hidden:
         vocab_parallel_logits(teacher, pair["ids"])
     with capture_hidden(student, s_layers) as s_hidden:
         vocab_parallel_logits(student, pair["ids"])
-    loss = objectives.intermediate_loss(student, LOSS, s_hidden, t_hidden, pair["mask"])
+    loss = objective.intermediate_loss(student, LOSS, s_hidden, t_hidden, pair["mask"])
     loss.backward()
-    mods = getattr(student, objectives.INTERMEDIATE_ATTR)
+    mods = getattr(student, objective.INTERMEDIATE_ATTR)
     return {"loss": loss.detach(), "weights": [(m.projection.weight.detach(), m.projection.bias.detach()) for m in mods],
             "grads": [m.projection.weight.grad for m in mods],
             "hidden": {k: v.detach() for k, v in {**{f"s{i}": s_hidden[i] for i in s_layers},
@@ -200,7 +200,7 @@ def test_a_sampled_run_with_hidden_state_losses_resumes_exactly_and_exports_with
             assert a[key] == pytest.approx(b[key], rel=1e-5), (a["step"], key)
 
     state = torch.load(ref / "checkpoints" / "step_4" / "tp0.pt", weights_only=False)  # kdexp.train.checkpoint
-    assert any(k.startswith(objectives.INTERMEDIATE_ATTR) for k in state["model"])
+    assert any(k.startswith(objective.INTERMEDIATE_ATTR) for k in state["model"])
     assert json.loads((ref / "student_hf" / "config.json").read_text())["hidden_size"] == 128
     from safetensors import safe_open
 

@@ -10,7 +10,8 @@ import kdexp.distributed as kd
 from _lone_process import lone_process
 from kdexp import models
 from kdexp.models.spec import Qwen3Spec
-from kdexp.train import objectives, optim
+from kdexp.objective import lm_loss
+from kdexp.train import optim
 
 
 def _spec():
@@ -26,7 +27,7 @@ def _tokens(seed: int = 0, batch: int = 2, seq: int = 16):
 def _lm_backward(model, tokens):
     x, y = tokens[:, :-1], tokens[:, 1:]
     logits = models.vocab_parallel_logits(model, x)
-    loss = objectives.lm_loss(logits, y, torch.ones_like(y, dtype=torch.float32))
+    loss = lm_loss(logits, y, torch.ones_like(y, dtype=torch.float32))
     loss.backward()
     return loss.detach()
 

@@ -1,4 +1,4 @@
-"""kdexp.train.objective: the registry picks one KD term per (loss, teacher); loss.fused_head (the output layer fused
+"""kdexp.objective: the registry picks one KD term per (loss, teacher); loss.fused_head (the output layer fused
 into the objective, kdexp.losses.head) gives the reference path's training and eval numbers: a smoke run fused vs
 unfused for online Top-K, dense, sampled and cached teachers (final metrics within 1e-5 relative), and the eval
 metrics of one batch against the whole-logits ones; a student's sequence-sharded hidden states are refused nowhere
@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_module
 import kdexp.config
 from _lone_process import lone_process
 from kdexp.config import LossConfig
-from kdexp.train import objective
+from kdexp import objective
 
 
 def _cfg(*overrides):

@@ -1,4 +1,4 @@
-"""kdexp.train.objectives (and the objective built from them, kdexp.train.objective) on tiny tensors against float64 hand computations: the masked LM cross-entropy, the KD loss
+"""kdexp.objective's per-token functions (kdexp.objective.tokens) and the objective built from them on tiny tensors against float64 hand computations: the masked LM cross-entropy, the KD loss
 and its logged stats (kept mass, ghost mass, nucleus size), val/kl_to_teacher and val/top1_agreement.
 
 The KD loss is compared with tests/_kd_reference.py (an independent float64 reference written from the definition).
@@ -14,7 +14,8 @@ from _lone_process import lone_process as _lone_process
 from _objective import kd_loss
 from _kd_reference import reference_kd
 from kdexp.config import LossConfig
-from kdexp.train import objectives
+from kdexp import objective
+from kdexp.train.batches import batch_to
 
 B, S, V = 2, 3, 11
 
@@ -40,14 +41,14 @@ def masked_mean64(values, mask):
 
 
 def test_masked_mean_ignores_masked_tokens_and_an_empty_mask_is_zero():
-    assert objectives.masked_mean(torch.tensor([1.0, 5.0, 3.0]), torch.tensor([1.0, 0.0, 1.0])).item() == 2.0
-    assert objectives.masked_mean(torch.tensor([1.0, 5.0]), torch.zeros(2)).item() == 0.0  # not 0/0
+    assert objective.masked_mean(torch.tensor([1.0, 5.0, 3.0]), torch.tensor([1.0, 0.0, 1.0])).item() == 2.0
+    assert objective.masked_mean(torch.tensor([1.0, 5.0]), torch.zeros(2)).item() == 0.0  # not 0/0
 
 
 def test_lm_loss_is_the_masked_mean_cross_entropy_and_leaves_the_logits_intact():
     s, _, labels, mask = tiny()
     before = s.clone()
-    got = objectives.lm_loss(s, labels, mask)
+    got = objective.lm_loss(s, labels, mask)
     logp = torch.log_softmax(s.double(), -1)
     nll = -logp.gather(-1, labels[..., None])[..., 0]
     assert got.item() == pytest.approx(masked_mean64(nll, mask), rel=1e-6)
@@ -57,7 +58,7 @@ def test_lm_loss_is_the_masked_mean_cross_entropy_and_leaves_the_logits_intact()
 def test_lm_loss_gradient_reaches_only_unmasked_tokens():
     s, _, labels, mask = tiny()
     s.requires_grad_(True)
-    objectives.lm_loss(s, labels, mask).backward()
+    objective.lm_loss(s, labels, mask).backward()
     ref = s.detach().double().requires_grad_(True)
     nll = -torch.log_softmax(ref, -1).gather(-1, labels[..., None])[..., 0]
     ((nll * mask.double()).sum() / mask.sum()).backward()
@@ -104,8 +105,8 @@ def test_full_kl_is_the_full_vocabulary_forward_kl_at_t1():
     s, t, _, mask = tiny(3)
     p, logp, logq = torch.softmax(t.double(), -1), torch.log_softmax(t.double(), -1), torch.log_softmax(s.double(), -1)
     kl = (p * (logp - logq)).sum(-1)
-    assert objectives.full_kl(s, t, mask).item() == pytest.approx(masked_mean64(kl, mask), rel=1e-5)
-    assert abs(objectives.full_kl(t, t, mask).item()) < 1e-6
+    assert objective.full_kl(s, t, mask).item() == pytest.approx(masked_mean64(kl, mask), rel=1e-5)
+    assert abs(objective.full_kl(t, t, mask).item()) < 1e-6
 
 
 def test_top1_agreement_counts_unmasked_tokens_whose_argmax_matches_ties_to_the_smallest_index():
@@ -116,14 +117,14 @@ def test_top1_agreement_counts_unmasked_tokens_whose_argmax_matches_ties_to_the_
     t[0, 2, 1], t[0, 2, 3], s[0, 2, 1] = 2.0, 2.0, 1.0  # teacher tie: index 1 wins, as does the student -> agree
     t[0, 3, 0], s[0, 3, 1] = 1.0, 1.0  # disagree, but masked out
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    assert objectives.vocab_parallel_argmax(t).tolist() == [[2, 4, 1, 0]]
-    assert objectives.top1_agreement(s, t, mask).item() == pytest.approx(2 / 3)
+    assert objective.vocab_parallel_argmax(t).tolist() == [[2, 4, 1, 0]]
+    assert objective.top1_agreement(s, t, mask).item() == pytest.approx(2 / 3)
 
 
 def test_batch_to_keeps_the_fields_the_objectives_read():
     batch = {"tokens": torch.ones(1, 2, dtype=torch.long), "labels": torch.zeros(1, 2, dtype=torch.long),
              "loss_mask": torch.ones(1, 2), "position_ids": torch.arange(2)[None]}
-    out = objectives.batch_to(batch, torch.device("cpu"))
+    out = batch_to(batch, torch.device("cpu"))
     assert sorted(out) == ["labels", "loss_mask", "tokens"] and torch.equal(out["tokens"], batch["tokens"])
     batch["sample_index"] = torch.tensor([7])  # the teacher cache's key rides along, on the host
-    assert torch.equal(objectives.batch_to(batch, torch.device("cpu"))["sample_index"], batch["sample_index"])
+    assert torch.equal(batch_to(batch, torch.device("cpu"))["sample_index"], batch["sample_index"])

@@ -315,7 +315,8 @@ def test_the_plan_bounds_a_real_train_step_from_above(overrides):
     from kdexp.bench import gpu_scale
     from kdexp.bench.losses import PeakTensorMemory
     from kdexp.data import batches
-    from kdexp.train import loop, objectives
+    from kdexp.train import loop
+    from kdexp.train.batches import batch_to
     from kdexp.train.step import train_step
 
     cfg = _cfg("logger=none", *overrides)
@@ -325,7 +326,7 @@ def test_the_plan_bounds_a_real_train_step_from_above(overrides):
 
         def step():
             s.optimizer.zero_grad(set_to_none=True)
-            train_step(s.student, s.objective, objectives.batch_to(next(stream), st.device), s.balancer, cfg,
+            train_step(s.student, s.objective, batch_to(next(stream), st.device), s.balancer, cfg,
                        s.balancer.needs_lm_loss)
 
         step()
@@ -415,18 +416,18 @@ def test_auto_fuses_the_head_where_one_micro_batchs_logits_take_64_mib():
 
 
 def test_the_objective_resolves_auto_by_the_plans_rule():
-    """kdexp.train.objective.build fuses the head exactly where the plan does (the teacher's padded vocabulary, the
+    """kdexp.objective.build fuses the head exactly where the plan does (the teacher's padded vocabulary, the
     micro-batch's tokens, the TP size)."""
     from types import SimpleNamespace
 
-    from kdexp.train import objective, objectives
+    from kdexp import objective
 
     cfg = _cfg("loss.fused_head=auto", "trainer.micro_batch_size=1")
     for seq, want in ((110, False), (111, True)):
         cfg.trainer.seq_length = seq
         teacher = SimpleNamespace(kdexp_spec=SimpleNamespace(vocab_size=151936))
         kd = objective.build(cfg, SimpleNamespace(vocab_size=151669), teacher,
-                             objectives.build_balancer(cfg.balancer))
+                             objective.build_balancer(cfg.balancer))
         assert kd.fused is want and kd.eval_teacher.fused is want
 
 

@@ -158,7 +158,7 @@ def _aligned_step(paths, fused: bool, coefficients) -> dict:
     from kdexp.losses import KDLossOptions
     from kdexp.models import read_config, spec_from_hf
     from kdexp.models.hf import _gather_tp, _hf_tensors
-    from kdexp.train import objective
+    from kdexp import objective
 
     teacher = load_hf(paths["padded"], vocab_size=288, real_vocab=REAL)
     teacher.requires_grad_(False)

@@ -69,7 +69,8 @@ def run(teacher: str = "1.7b", student: str = "0.6b", *, steps: int = 50, lm_ste
     from kdexp import distributed
     from kdexp.data import batches
     from kdexp.plan import GiB, make_plan
-    from kdexp.train import loop, objectives, optim
+    from kdexp.train import loop, optim
+    from kdexp.train.batches import batch_to
     from kdexp.train.step import StepDriver
 
     cfg, notes = compose_cfg(teacher, student, seq=seq, micro=micro, steps=max(steps, 1), recompute=recompute,
@@ -83,11 +84,11 @@ def run(teacher: str = "1.7b", student: str = "0.6b", *, steps: int = 50, lm_ste
     def batch():
         nonlocal stream
         try:
-            return objectives.batch_to(next(stream), st.device)
+            return batch_to(next(stream), st.device)
         except StopIteration:  # more steps than one pass: start the data over
             stream = batches(s.data.train_ds, micro_batch_size=t.micro_batch_size, dp_rank=st.dp_rank,
                              dp_size=st.dp_size)
-            return objectives.batch_to(next(stream), st.device)
+            return batch_to(next(stream), st.device)
 
     def kd_step(step):
         return driver.step(step - 1, batch())[0]["train/loss"]

@@ -23,7 +23,7 @@ from hydra import compose, initialize_config_module
 import kdexp.config
 from kdexp import assets, distributed, models
 from kdexp.data import batches
-from kdexp.train import objectives
+from kdexp.train.batches import batch_to
 
 KS = (16, 64, 256, 1024)
 NUCLEUS_P = 0.95
@@ -69,7 +69,7 @@ def measure(teacher: torch.nn.Module, val_ds, *, samples: int, micro_batch_size:
     for batch in batches(val_ds, micro_batch_size=micro_batch_size, dp_rank=0, dp_size=1):
         if seen >= samples:
             break
-        batch = objectives.batch_to(batch, st.device)
+        batch = batch_to(batch, st.device)
         logits = models.forward_logits(teacher, batch["tokens"])
         keep = batch["loss_mask"].reshape(-1) > 0
         stats = token_stats(logits.reshape(-1, logits.shape[-1])[keep], batch["labels"].reshape(-1)[keep])

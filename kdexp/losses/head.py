@@ -60,7 +60,7 @@ PROPORTIONAL_RTOL = 1e-5
 class ChunkLoss(NamedTuple):
     """What loss_fn returns for one chunk of tokens: per-token KD loss [c], LM loss [c] (or None), and stats: None or
     a NamedTuple of per-token tensors [c], one type for every chunk (a field left None is not reported; the trainer's
-    terms return kdexp.train.objective.TermStats)."""
+    terms return kdexp.objective.TermStats)."""
 
     kd: torch.Tensor
     lm: torch.Tensor | None = None
@@ -99,7 +99,7 @@ def head_chunk_rows(n: int, local_vocab: int, dtype: torch.dtype, chunk_tokens: 
 def uses_fused_head(setting, tokens: int, local_vocab: int) -> bool:
     """loss.fused_head resolved: true / false as set; auto: fused when [tokens, local_vocab] float32 logits take
     AUTO_MIN_LOGITS_BYTES or more (tokens: one micro-batch's; local_vocab: the padded vocabulary over the TP size).
-    The run (kdexp.train.objective.build) and kdexp.plan both decide here."""
+    The run (kdexp.objective.build) and kdexp.plan both decide here."""
     if setting != "auto":
         return bool(setting)
     return tokens * local_vocab * 4 >= AUTO_MIN_LOGITS_BYTES

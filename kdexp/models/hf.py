@@ -215,7 +215,7 @@ def _hf_tensors(name: str, full: torch.Tensor, spec: Qwen3Spec, tp: int) -> dict
     raise KeyError(f"no Hugging Face name for megatron parameter {name!r}")
 
 
-# Submodules the trainer attaches to the student (kdexp.train.objectives.attach_intermediate) that are trained and
+# Submodules the trainer attaches to the student (kdexp.objective.attach_intermediate) that are trained and
 # checkpointed with it but are no part of the exported Hugging Face model.
 TRAINING_ONLY_PREFIX = "kdexp_"
 

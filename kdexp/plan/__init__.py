@@ -178,7 +178,7 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     if layer["working"]:
         p.items.append(("recompute working set", layer["working"], "one layer rebuilt during its backward"))
     vocab = student.vocab_size // tp
-    # An LM loss fused into the KD loss (the step's rule: kdexp.train.objectives.fuses_lm) saves O(K) per token
+    # An LM loss fused into the KD loss (the step's rule: kdexp.losses.KDLossOptions.fuses_lm) saves O(K) per token
     # more and has no fp32 copy or gradient of its own.
     fused = KDLossOptions.from_config(cfg.loss).fuses_lm(sampled=SampledKDOptions.from_config(cfg.loss).enabled)
     needs_lm = BalancerOptions.from_config(cfg.balancer).build().needs_lm_loss and not fused

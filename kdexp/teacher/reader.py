@@ -131,7 +131,7 @@ class TeacherCache:
 
 
 def check_nucleus(cache: TeacherCache, *, top_p: float, temperature: float, vocab: int) -> int:
-    """Before training (kdexp.train.objective, right after the cache is built or verified): every cached token's
+    """Before training (kdexp.objective.sources, right after the cache is built or verified): every cached token's
     nucleus must lie within its cached top-K_max, by the rule the loss applies per batch
     (kdexp.losses.cached.nucleus_overflow), so that an overflow stops the run before its first step, not at the step
     that meets it. ConfigError (exit 2, one line) naming how many tokens overflow and a lower bound on the K_max that

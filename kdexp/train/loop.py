@@ -23,7 +23,9 @@ from kdexp.config.checks import accumulation_steps
 from kdexp.data import batches, prepare
 from kdexp.track import faults
 from kdexp.track.metrics import IntervalMeter, MetricsFile, Progress, console_line, eval_line
-from kdexp.train import checkpoint, megatron_optim, objective, objectives, optim, signals
+from kdexp import objective
+from kdexp.train import checkpoint, megatron_optim, optim, signals
+from kdexp.train.batches import batch_to
 from kdexp.train.step import NonFiniteGuard, StepDriver, evaluate, optimizer_tensors
 from kdexp.train.teacher import get_teacher
 
@@ -55,7 +57,7 @@ class Setup:
     student: torch.nn.Module
     optimizer: torch.optim.Optimizer
     balancer: Any
-    objective: Any = None  # kdexp.train.objective.Objective: the KD loss, its teacher source, the output layer
+    objective: Any = None  # kdexp.objective.Objective: the KD loss, its teacher source, the output layer
     accumulation: int = 1  # micro-batches per optimizer step on each rank
     global_batch: int = 1  # samples per optimizer step over all DP ranks
 
@@ -63,7 +65,7 @@ class Setup:
 def micro_batches(stream, accumulation: int, micro_batch_size: int, device) -> list[dict]:
     """The next global batch's share of this rank (one item of `stream`, micro x accumulation contiguous samples),
     cut into `accumulation` micro-batches in sample order, on the device."""
-    share = objectives.batch_to(next(stream), device)
+    share = batch_to(next(stream), device)
     if accumulation == 1:
         return [share]
     return [{k: v[i * micro_batch_size:(i + 1) * micro_batch_size] for k, v in share.items()}
@@ -96,12 +98,12 @@ def setup(cfg, *, make_teacher: Callable = get_teacher) -> Setup:
     teacher = make_teacher(cfg, data)
     if t.precision == "bf16" and next(teacher.parameters()).dtype != torch.bfloat16:
         teacher = models.cast(teacher, torch.bfloat16)  # frozen: no grads, no optimizer state, half the memory
-    balancer = objectives.build_balancer(cfg.balancer)
+    balancer = objective.build_balancer(cfg.balancer)
     # Before the student: a cached teacher's one pass into the cache runs here (skipped when the cache exists).
     kd = objective.build(cfg, data, teacher, balancer)
     distributed.reseed(t.seed)  # the student's init must not depend on whether the teacher was just trained
     student = build_student(cfg, data.vocab_size)
-    objectives.attach_intermediate(student, cfg.loss, teacher.kdexp_spec.hidden_size)  # before its optimizer
+    objective.attach_intermediate(student, cfg.loss, teacher.kdexp_spec.hidden_size)  # before its optimizer
     student.train()
     if megatron_optim.uses_megatron(t.optimizer):  # DDP + megatron's (distributed) optimizer, on CUDA
         opt = megatron_optim.MegatronOptimizer(student, t)

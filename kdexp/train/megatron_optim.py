@@ -5,7 +5,7 @@ trainer.optimizer=auto takes it on CUDA (torch on the CPU); =megatron forces it 
 
 - DDP with contiguous fp32 gradient buffers (grad_reduce_in_fp32), bucketed all_reduce overlapped with the backward
   of the last micro-batch (overlap_grad_reduce; earlier micro-batches accumulate under ``no_sync``), averaging over
-  DP (1 / DP, the convention objectives.token_share assumes);
+  DP (1 / DP, the convention kdexp.objective.token_share assumes);
 - the mixed-precision optimizer (bf16 weights, fp32 main params and Adam state; torch.optim.AdamW or TE/apex
   FusedAdam, whichever megatron finds), TP-aware grad-norm clipping (clip_grad), and with
   trainer.distributed_optimizer the ZeRO-1 DistributedOptimizer (main params and Adam state sharded over DP).

@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 from kdexp import distributed, models
-from kdexp.train import megatron_optim, objectives, optim
+from kdexp.objective import lm_loss, token_share
+from kdexp.train import megatron_optim, optim
+from kdexp.train.batches import sampling_seed
 from kdexp.train.errors import Diverged
 
 log = logging.getLogger("kdexp")
@@ -42,22 +44,22 @@ def train_step(student, objective, micro_batches, balancer, cfg, needs_lm: bool,
     """Forward both models, the balanced loss and backward for each micro-batch of one global batch (gradients
     accumulate in .grad); the detached parts of the global batch for logging (no host sync).
 
-    Every loss and stat is a token sum over the tokens of the whole global batch (objectives.token_share), so the
+    Every loss and stat is a token sum over the tokens of the whole global batch (kdexp.objective.token_share), so the
     micro-batches' parts add up to the global-batch means and the accumulated gradient is the gradient of the
     global-batch loss: micro 2 x 4 accumulation steps is micro 8 x 1. (The dynamic balancer's LM/KD ratio is taken
     per micro-batch, as ModelOpt's is under megatron.) With DP > 1 the logged parts are the average over the
     data-parallel ranks (one small all_reduce), i.e. the values of the whole global batch. `micro_context(i, n)`:
     a context for micro-batch i of n (megatron DDP's no_sync for all but the last). `step` (0-based) seeds sampled
-    KD's draws (objectives.sampling_seed, per micro-batch)."""
+    KD's draws (kdexp.train.batches.sampling_seed, per micro-batch)."""
     if isinstance(micro_batches, dict):
         micro_batches = [micro_batches]
     st = distributed.state()
-    denom = objectives.token_share(micro_batches, distributed.dp_group(), st.dp_size)
+    denom = token_share(micro_batches, distributed.dp_group(), st.dp_size)
     parts: dict[str, torch.Tensor] = {}
     for i, batch in enumerate(micro_batches):
         with micro_context(i, len(micro_batches)) if micro_context else contextlib.nullcontext():
             micro = _micro_step(student, objective, batch, balancer, needs_lm, denom,
-                                objectives.sampling_seed(cfg, step, i))
+                                sampling_seed(cfg, step, i))
         for key, value in micro.items():
             parts[key] = parts[key] + value if key in parts else value
     if st.dp_size > 1:
@@ -80,7 +82,7 @@ def evaluate(student, objective, val_batches: list) -> dict[str, float]:
     sums = torch.zeros(3, device=st.device)
     for item in val_batches:
         micros = [item] if isinstance(item, dict) else item
-        denom = objectives.token_share(micros)
+        denom = token_share(micros)
         for batch in micros:
             sums += objective.evaluate(student, batch, denom)
     student.train()
@@ -217,7 +219,7 @@ class StepDriver:
         s.optimizer.zero_grad(set_to_none=True)
         if teacher:
             s.objective.teacher(batch)
-        loss = objectives.lm_loss(models.vocab_parallel_logits(s.student, batch["tokens"]), batch["labels"],
+        loss = lm_loss(models.vocab_parallel_logits(s.student, batch["tokens"]), batch["labels"],
                                   batch["loss_mask"])
         loss.backward()
         return self._finish(step + 1, {"train/loss": loss.detach()})

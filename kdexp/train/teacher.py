@@ -20,7 +20,9 @@ import torch
 from kdexp import assets, distributed, models
 from kdexp.data import batches
 from kdexp.data import cache as data_cache
-from kdexp.train import objectives, optim
+from kdexp.objective import lm_loss
+from kdexp.train import optim
+from kdexp.train.batches import batch_to
 
 log = logging.getLogger("kdexp")
 
@@ -82,9 +84,9 @@ def pretrain(model: torch.nn.Module, data, cfg, on_step=None) -> None:
     started = time.perf_counter()
     running = torch.zeros((), device=st.device)
     for step in range(steps):
-        batch = objectives.batch_to(next(stream), st.device)
+        batch = batch_to(next(stream), st.device)
         optim.set_lr(opt, optim.lr_at(step, lr=lr, min_lr=r["min_lr"], warmup=r["warmup_steps"], total=steps))
-        loss = objectives.lm_loss(models.vocab_parallel_logits(model, batch["tokens"]), batch["labels"],
+        loss = lm_loss(models.vocab_parallel_logits(model, batch["tokens"]), batch["labels"],
                                   batch["loss_mask"])
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -1,13 +1,14 @@
-"""The objective's building blocks on vocab-parallel logits: token normalisation, LM cross-entropy, the balancer, the
-hidden-state losses and the eval metrics. The KD objective itself (which loss, which teacher) is built once in
-kdexp.train.objective; the balancer through its one factory (`BalancerOptions.from_config(...).build()`). Hidden-state losses
-(`loss.intermediate`) are modules attached to the student (`attach_intermediate`), so their projections are trained,
-clipped, averaged over DP and checkpointed with it (and left out of the Hugging Face export).
+"""Per-token quantities the objective weighs, on this rank's vocabulary shard ([..., V/tp]): the one vocab-parallel
+cross-entropy, token normalisation, the hidden-state losses and the evaluation metrics. Every function returns
+values that are equal on every TP rank.
 
-Every function takes this rank's vocabulary shard ([b, s, V/tp]) and returns values that are equal on every TP rank.
 Token normalisation follows Megatron: with ``denom`` (see ``token_share``) a micro-batch returns its masked token sum
 over the tokens of the whole global batch, so the values of a step's micro-batches add up to the global-batch mean;
 without it, the micro-batch's own masked mean.
+
+Hidden-state losses (``loss.intermediate``) are modules attached to the student (``attach_intermediate``), so their
+projections are trained, clipped, averaged over DP and checkpointed with it (and left out of the Hugging Face
+export).
 """
 from __future__ import annotations
 
@@ -16,20 +17,10 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel
 
 from kdexp import distributed
-from kdexp.losses import BalancerOptions, logits_kd_loss
+from kdexp.losses import logits_kd_loss
 from kdexp.losses.intermediate import IntermediateLoss, mean_of
-from kdexp.losses.sampled import step_seed
 
 INTERMEDIATE_ATTR = "kdexp_intermediate"  # kdexp.models.hf.TRAINING_ONLY_PREFIX keeps it out of the HF export
-
-
-def batch_to(batch: dict, device) -> dict:
-    """The fields the objectives read, on the device (position ids are rebuilt by the model code, not copied);
-    sample_index (the key into an offline teacher cache) stays on the host."""
-    out = {k: batch[k].to(device, non_blocking=True) for k in ("tokens", "labels", "loss_mask")}
-    if "sample_index" in batch:
-        out["sample_index"] = batch["sample_index"]
-    return out
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, denom=None) -> torch.Tensor:
@@ -43,7 +34,7 @@ def token_share(micro_batches: list[dict], group=None, group_size: int = 1) -> t
 
     Why divided: the gradients are then averaged over the group (as megatron's DDP does), so `group_size` ranks'
     sums over `tokens / group_size` average to the sum over all tokens of the global batch. With one micro-batch on
-    one rank this is exactly masked_mean's own denominator (the default path's numbers do not move)."""
+    one rank this is exactly masked_mean's own denominator."""
     total = torch.stack([b["loss_mask"].sum() for b in micro_batches]).sum()
     if group_size > 1:
         dist.all_reduce(total, group=group)
@@ -51,25 +42,18 @@ def token_share(micro_batches: list[dict], group=None, group_size: int = 1) -> t
     return total / group_size if group_size > 1 else total
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, denom=None) -> torch.Tensor:
-    """Vocab-parallel next-token cross-entropy (Megatron's), masked mean over tokens (or over `denom`)."""
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Megatron's vocab-parallel next-token cross-entropy per token (logits [..., V/tp], labels [...]). Megatron's
+    works in place, so it never runs on the caller's tensor: the KD loss may still read those logits."""
     x = logits.float()
-    if x is logits:  # megatron's cross-entropy works in place; keep the caller's logits intact for the KD loss
+    if x is logits:
         x = logits.clone()
-    return masked_mean(tensor_parallel.vocab_parallel_cross_entropy(x, labels), loss_mask, denom)
+    return tensor_parallel.vocab_parallel_cross_entropy(x, labels)
 
 
-def build_balancer(balancer_cfg):
-    """The balancer a config's `balancer` node describes (its value rules checked first)."""
-    return BalancerOptions.from_config(balancer_cfg).build()
-
-
-def sampling_seed(cfg, step: int, micro: int = 0) -> int:
-    """The sampled-KD seed of micro-batch `micro` of a (0-based) training step on this data-parallel rank: from
-    trainer.seed, the step and the micro-batch only, so a resumed run draws exactly what the uninterrupted one drew
-    and no two micro-batches of a step (or DP ranks) reuse a stream."""
-    st = distributed.state()
-    return step_seed(cfg.trainer.seed, step, st.dp_rank + st.dp_size * micro)
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor, denom=None) -> torch.Tensor:
+    """The LM loss: `cross_entropy`'s masked mean over tokens (or over `denom`)."""
+    return masked_mean(cross_entropy(logits, labels), loss_mask, denom)
 
 
 def intermediate_layers(loss_cfg) -> tuple[list[int], list[int]]:
