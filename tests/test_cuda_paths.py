@@ -98,7 +98,7 @@ def test_megatron_cuda_seeding_and_the_cpu_twin_agree(monkeypatch):
 
 
 def _tiny_spec():
-    from kdexp.models.spec import Qwen3Spec
+    from kdexp.config.qwen3 import Qwen3Spec
 
     return Qwen3Spec(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
                      head_dim=8, tie_embeddings=False, max_position_embeddings=32)

@@ -9,7 +9,7 @@ import torch
 import kdexp.distributed as kd
 from _lone_process import lone_process
 from kdexp import models
-from kdexp.models.spec import Qwen3Spec
+from kdexp.config.qwen3 import Qwen3Spec
 from kdexp.objective import lm_loss
 from kdexp.train import optim
 

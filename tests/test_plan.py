@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_module
 from torch.utils.flop_counter import FlopCounterMode
 
 from kdexp import models
-from kdexp.models.spec import Qwen3Spec
+from kdexp.config.qwen3 import Qwen3Spec
 from kdexp.plan import GiB, make_plan, sizing
 from tests._lone_process import lone_process
 

@@ -4,7 +4,9 @@
 - ``validate(cfg)``: every value checked before anything is built (``rules``: generic rules, ``sources``: model,
   data and files on disk, ``checks``: the rest and the cross-key checks; the loss and balancer rules are
   kdexp.losses.options');
-- ``config_hash(cfg)``: the identity of a sweep point.
+- ``config_hash(cfg)``: the identity of a sweep point;
+- ``qwen3``: the Qwen3 shapes a run can name (``QWEN3_SIZES``), torch-free: the checks read them, kdexp.models builds
+  from them.
 """
 from kdexp.config.checks import check_launch, validate
 from kdexp.config.identity import config_hash

@@ -16,6 +16,7 @@ import ast
 import dataclasses
 import functools
 import importlib
+import importlib.util
 import inspect
 import io
 import re
@@ -61,9 +62,9 @@ class Key:
 
 
 def _conf_dir() -> Path:
-    import kdexp.conf
-
-    return Path(kdexp.conf.__file__).parent
+    """Where kdexp.conf's YAML files are, found without importing that package: kdexp.conf sits above this one (its
+    import registers this module's resolver), and the page reads its files as data."""
+    return Path(importlib.util.find_spec("kdexp.conf").origin).parent
 
 
 def _first_comment(path: Path) -> str:

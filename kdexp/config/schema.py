@@ -18,7 +18,7 @@ from kdexp.losses.options import BalancerOptions, IntermediatePair, KDLossOption
 
 @dataclass
 class ModelConfig:
-    teacher: str = "tiny-teacher"  # a name in kdexp.models.QWEN3_SIZES
+    teacher: str = "tiny-teacher"  # a name in kdexp.config.qwen3.QWEN3_SIZES
     student: str = "tiny-student"
     teacher_path: Optional[str] = None  # local HF checkpoint dir; required for real (non-tiny) teachers
     student_path: Optional[str] = None  # local HF checkpoint dir to start the student from; None = random init

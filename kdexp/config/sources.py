@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kdexp import assets
+from kdexp.config.qwen3 import QWEN3_SIZES
 from kdexp.rules import choice, fail, integer, is_int, number
 
 _DTYPES = ("float32", "bfloat16")
@@ -17,8 +18,6 @@ ATTENTION = ("sdpa", "megatron")  # kdexp.models.build.ATTENTION (no torch impor
 
 
 def _model_shape(name: str, key: str):
-    from kdexp.models.spec import QWEN3_SIZES
-
     if name not in QWEN3_SIZES:
         fail(key, name, f"must be one of {sorted(QWEN3_SIZES)}")
     return QWEN3_SIZES[name]

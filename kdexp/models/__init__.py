@@ -1,4 +1,5 @@
-"""Qwen3 as a megatron-core GPTModel: shapes (spec), build, logits, and Hugging Face checkpoint import/export.
+"""Qwen3 as a megatron-core GPTModel: build, logits, and Hugging Face checkpoint import/export. The shapes (Qwen3Spec,
+QWEN3_SIZES) live in kdexp.config.qwen3, where the config checks read them without torch; re-exported here.
 
 Trainer use::
 
@@ -19,7 +20,7 @@ import torch
 from kdexp.models.build import (build, capture_hidden, cast, check_tp, final_hidden, forward_logits, output_weight,
                                 sequence_parallel, transformer_config, vocab_parallel_logits)
 from kdexp.models.hf import load_hf, read_config, save_hf
-from kdexp.models.spec import QWEN3_SIZES, Qwen3Spec, get_spec, spec_from_hf, spec_to_hf
+from kdexp.config.qwen3 import QWEN3_SIZES, Qwen3Spec, get_spec, spec_from_hf, spec_to_hf
 from kdexp.models.vocab import mask_padded_vocab, padded_vocab_mask, vocab_alignment
 
 # model.params_dtype names -> torch dtypes (config.validate allows exactly these names)

@@ -16,7 +16,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kdexp.models.spec import Qwen3Spec
+from kdexp.config.qwen3 import Qwen3Spec
 
 
 def _tp_size() -> int:

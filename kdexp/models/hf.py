@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from kdexp.models.build import build
-from kdexp.models.spec import Qwen3Spec, spec_from_hf, spec_to_hf
+from kdexp.config.qwen3 import Qwen3Spec, spec_from_hf, spec_to_hf
 
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
 # megatron name inside a layer -> HF name inside model.layers.{i} (for the 1:1 replicated tensors)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kdexp.models.spec import Qwen3Spec
+from kdexp.config.qwen3 import Qwen3Spec
 
 RECOMPUTE = ("none", "selective", "full")
 ATTENTION = ("sdpa", "megatron")

@@ -1,5 +1,8 @@
 """Qwen3 shapes: the Qwen3Spec dataclass, the real sizes, tiny CPU presets, and HF config.json <-> spec.
 
+Torch-free and in the config package: the value checks ask it which names model.teacher / model.student may take
+and what their heads and vocabularies are; kdexp.models builds from it (and re-exports it).
+
 Shapes of the real checkpoints are the values of the Qwen/Qwen3-*/config.json files (vocab 151936, head_dim 128,
 rope_theta 1e6, rms_norm_eps 1e-6, max_position_embeddings 40960); the 0.6B/1.7B/4B tie the input embedding and
 the LM head, 8B/14B/32B do not.
