@@ -154,22 +154,21 @@ def test_another_sampled_key_is_refused_naming_it(caches, tmp_path):
         _build(path, draws=32)
 
 
-def test_the_config_chooses_the_record(monkeypatch):
+def test_the_config_chooses_the_record():
     """teacher=cached + loss.samples: a sampled layout keyed by the draws (teacher.k_max plays no part); else top-K.
     Bytes per token at the embedded default's vocabulary (2,048: 2-byte ids), one temperature."""
     from test_teacher_cache_run import cfg_of
 
     from kdexp.teacher import writer
 
-    monkeypatch.setattr(writer, "teacher_identity", lambda cfg, data: "fake")
     data = SimpleNamespace(vocab_size=2048, fingerprint="data", train_ds=range(100))
     with lone_process(seed=0):
         topk = writer.layout_for(cfg_of("teacher=cached"), data)
         cfg = cfg_of("teacher=cached", "loss=sampled", "loss.proposal_temperature=1.5", "trainer.seed=7",
                      "teacher.k_max=5")
         sampled = writer.layout_for(cfg, data)
-        key = writer.cache_key(cfg, data, sampled)
-        topk_key = writer.cache_key(cfg_of("teacher=cached"), data, topk)
+        key = writer.cache_key(cfg, data, sampled, "fake")
+        topk_key = writer.cache_key(cfg_of("teacher=cached"), data, topk, "fake")
     assert (topk.record, topk.k_max, topk.bytes_per_token()) == ("topk", 1024, 6152)
     assert (sampled.record, sampled.draws, sampled.proposal_temperature, sampled.draw_seed) == ("sampled", 64, 1.5, 7)
     assert sampled.bytes_per_token() == 456  # 64 x (4 + 2 + 1) + 2 x 4: 13x below top-1024's 6,152

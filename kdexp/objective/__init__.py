@@ -18,7 +18,7 @@ all tokens. Token normalisation as Megatron's: per-token values weighed by loss_
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -164,17 +164,19 @@ def build_balancer(balancer_cfg):
     return BalancerOptions.from_config(balancer_cfg).build()
 
 
-def build(cfg, data, teacher_model, balancer) -> Objective:
+def build(cfg, data, teacher_model, balancer, *, identify_teacher: Optional[Callable[[], dict]] = None) -> Objective:
     """The run's objective from cfg.loss and cfg.teacher: the teacher source (TEACHERS), the loss term (LOSSES),
     whether the head is fused (loss.fused_head: kdexp.losses.head.uses_fused_head), the balancer's fixed coefficients
-    (the head's gradients in the forward pass) and the hidden-state pairs."""
+    (the head's gradients in the forward pass) and the hidden-state pairs. ``identify_teacher()``: what names the
+    teacher's weights (kdexp.train.teacher.teacher_identity), for a source keyed by them (the cache)."""
     loss_cfg = cfg.loss
     spec = getattr(teacher_model, "kdexp_spec", None)  # the padded vocabulary the plan sizes (one tokenizer)
     vocab = spec.vocab_size if spec is not None else data.vocab_size
     fused = uses_fused_head(loss_cfg.fused_head, int(cfg.trainer.micro_batch_size) * int(cfg.trainer.seq_length),
                             -(-vocab // int(cfg.parallel.tensor)))
     s_layers, t_layers = intermediate_layers(loss_cfg)
-    source = TEACHERS[cfg.teacher.name](cfg, data, teacher_model, fused=fused, layers=t_layers)
+    source = TEACHERS[cfg.teacher.name](cfg, data, teacher_model, fused=fused, layers=t_layers,
+                                         identify=identify_teacher)
     kd_term = term(loss_cfg, source)
     coefficients = getattr(balancer, "coefficients", None) if not s_layers else None
     return Objective(loss_cfg, source, kd_term, fused=fused, fuses_lm=bool(getattr(kd_term, "fuses_lm", False)),

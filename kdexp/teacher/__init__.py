@@ -2,7 +2,8 @@
 of a sweep) trains from it instead of running the teacher (config group `teacher`, option `cached`).
 
 - format: shard layout, value/index encodings, the key (kdexp.teacher.format);
-- writer: `ensure(cfg, data, teacher)` builds the cache once (locked, resumable, checksummed) and opens it;
+- writer: `ensure(cfg, data, teacher, teacher_identity)` builds the cache once (locked, resumable, checksummed) and
+  opens it; the teacher's identity (what names its weights) is handed in by whoever made the teacher (kdexp.train);
 - reader: `TeacherCache` random access by global sample index, `CacheCorrupt` / `CacheMismatch`.
 The loss from a record is kdexp.losses.cached_kd_loss.
 """

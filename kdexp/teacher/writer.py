@@ -1,12 +1,12 @@
 """Build the offline teacher cache: one teacher pass over exactly the training stream a run reads.
 
-`ensure(cfg, data, teacher)` returns the run's `TeacherCache`, building it first when it is missing or unfinished.
+`ensure(cfg, data, teacher, teacher_identity)` returns the run's `TeacherCache`, building it first when it is missing or unfinished.
 The stream is kdexp.data's: global sample i of `data.train_ds` (megatron's shuffle, the run's seed and seq layout),
 samples [0, max_steps * global_batch), so step t's records are exactly the samples step t trains on, at any DP size.
 
 - the record type follows the loss: "topk" for the logit losses, "sampled" when loss.samples is set (the draws made
   here, once, per global sample: kdexp.teacher.format);
-- keyed (`cache_key`): teacher identity, data fingerprint and sample count, seq length, vocabulary, record type and
+- keyed (`cache_key`): teacher identity (handed in by whoever made the teacher), data fingerprint and sample count, seq length, vocabulary, record type and
   its own entries (K_max; or loss.samples, loss.proposal_temperature and the draw seed), temperatures, value dtype.
   The default location is a hash of the key under paths.cache; an explicit teacher.path holding another key is a
   `CacheMismatch` naming what differs;
@@ -23,7 +23,6 @@ samples [0, max_steps * global_batch), so step t's records are exactly the sampl
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import time
@@ -34,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kdexp import assets, distributed, models
+from kdexp import distributed, models
 from kdexp.data import cache as data_cache
 from kdexp.data.cache import sha256_file
 from kdexp.losses.cached import teacher_topk_record
@@ -50,25 +49,6 @@ SHARD_END_HOOKS: list[Callable[[int], None]] = []
 KEY_FILE = "key.json"  # written when a build starts
 
 
-def teacher_identity(cfg, data) -> dict:
-    """What names the teacher's weights: the shipped teacher's manifest digest, the pretrained teacher's cache entry (its key hash + the sha256 of its manifest,
-    which holds every weight file's sha256), or for teacher_path its config.json digest and weight files' names,
-    sizes and mtimes (hashing a multi-GB checkpoint on every run would cost minutes)."""
-    if assets.uses_shipped_teacher(cfg.model):  # its manifest holds the sha256 of every file
-        return {"shipped": sha256_file(assets.SHIPPED_TEACHER / data_cache.MANIFEST)}
-    if cfg.model.teacher_path is None:
-        from kdexp.train.teacher import pretrained_teacher_dir
-
-        d = pretrained_teacher_dir(cfg, data)
-        return {"embedded": d.name, "manifest": sha256_file(d / data_cache.MANIFEST)}
-    p = Path(cfg.model.teacher_path).expanduser().resolve()
-    weights = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in p.iterdir()
-                     if f.suffix in (".safetensors", ".bin", ".pt"))
-    aligned = {} if cfg.model.vocab_alignment == "exact" else {"vocab_alignment": cfg.model.vocab_alignment}
-    return {"path": str(p), "config": sha256_file(p / "config.json") if (p / "config.json").is_file() else None,
-            "weights": hashlib.sha256(repr(weights).encode()).hexdigest(), **aligned}  # aligned: other logits
-
-
 def layout_for(cfg, data) -> fmt.Layout:
     """The run's cache layout (fmt.Layout.from_config) over the samples the run's steps read."""
     t = cfg.trainer
@@ -76,9 +56,10 @@ def layout_for(cfg, data) -> fmt.Layout:
     return fmt.Layout.from_config(cfg, data.vocab_size, t.max_steps * global_batch)
 
 
-def cache_key(cfg, data, layout: fmt.Layout) -> dict:
-    """JSON-native: compared entry by entry with a stored manifest's key."""
-    return {"format": fmt.FORMAT, "record": layout.record, "teacher": teacher_identity(cfg, data),
+def cache_key(cfg, data, layout: fmt.Layout, teacher_identity: dict) -> dict:
+    """JSON-native: compared entry by entry with a stored manifest's key. ``teacher_identity``: what names the
+    teacher's weights (kdexp.train.teacher.teacher_identity: whoever made the teacher knows it)."""
+    return {"format": fmt.FORMAT, "record": layout.record, "teacher": teacher_identity,
             "params_dtype": cfg.model.params_dtype, "precision": cfg.trainer.precision, "data": data.fingerprint,
             "train_samples": len(data.train_ds), "samples": layout.samples, "seq_length": layout.seq_length,
             "vocab_size": int(data.vocab_size), **layout.key_entries(), "temperatures": list(layout.temperatures),
@@ -220,10 +201,11 @@ def _rebuild(cache: TeacherCache, damaged: dict[int, str], key: dict, teacher, d
           known_good=frozenset(range(layout.shards)) - frozenset(damaged))
 
 
-def ensure(cfg, data, teacher) -> TeacherCache:
-    """The run's teacher cache (built first, under the cache's lock, when missing or unfinished). Every rank."""
+def ensure(cfg, data, teacher, teacher_identity: dict) -> TeacherCache:
+    """The run's teacher cache (built first, under the cache's lock, when missing or unfinished). Every rank.
+    ``teacher_identity`` keys the cache by the teacher's weights (see cache_key)."""
     layout = layout_for(cfg, data)
-    key = cache_key(cfg, data, layout)
+    key = cache_key(cfg, data, layout, teacher_identity)
     return ensure_at(cache_location(cfg, key), key, layout, teacher, data.train_ds, cfg.trainer.micro_batch_size)
 
 

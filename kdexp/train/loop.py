@@ -10,6 +10,7 @@ stop the run (kdexp.train.signals). A non-finite step is skipped or stops the ru
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import shutil
 import time
@@ -27,7 +28,7 @@ from kdexp import objective
 from kdexp.train import checkpoint, megatron_optim, optim, signals
 from kdexp.train.batches import batch_to
 from kdexp.train.step import NonFiniteGuard, StepDriver, evaluate, optimizer_tensors
-from kdexp.train.teacher import get_teacher
+from kdexp.train.teacher import get_teacher, teacher_identity
 
 log = logging.getLogger("kdexp")
 
@@ -99,8 +100,10 @@ def setup(cfg, *, make_teacher: Callable = get_teacher) -> Setup:
     if t.precision == "bf16" and next(teacher.parameters()).dtype != torch.bfloat16:
         teacher = models.cast(teacher, torch.bfloat16)  # frozen: no grads, no optimizer state, half the memory
     balancer = objective.build_balancer(cfg.balancer)
-    # Before the student: a cached teacher's one pass into the cache runs here (skipped when the cache exists).
-    kd = objective.build(cfg, data, teacher, balancer)
+    # Before the student: a cached teacher's one pass into the cache runs here (skipped when the cache exists). The
+    # teacher's identity keys that cache; asked only then (a make_teacher stand-in may have no checkpoint to name).
+    kd = objective.build(cfg, data, teacher, balancer,
+                         identify_teacher=functools.partial(teacher_identity, cfg, data))
     distributed.reseed(t.seed)  # the student's init must not depend on whether the teacher was just trained
     student = build_student(cfg, data.vocab_size)
     objective.attach_intermediate(student, cfg.loss, teacher.kdexp_spec.hidden_size)  # before its optimizer

@@ -11,6 +11,7 @@ again; a lock makes concurrent jobs on a cold cache pretrain it once.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -51,6 +52,24 @@ def pretrained_teacher_dir(cfg, data) -> Path:
         "dp_size": st.dp_size, "seed": cfg.trainer.seed, "params_dtype": cfg.model.params_dtype,
     }
     return data_cache.cached_path("teacher", key, root=cfg.paths.cache)
+
+
+def teacher_identity(cfg, data) -> dict:
+    """What names the teacher's weights (the teacher cache's key, kdexp.teacher.writer.cache_key): the shipped
+    teacher's manifest digest, the pretrained teacher's cache entry (its key hash + the sha256 of its manifest, which
+    holds every weight file's sha256), or for teacher_path its config.json digest and weight files' names, sizes and
+    mtimes (hashing a multi-GB checkpoint on every run would cost minutes)."""
+    if assets.uses_shipped_teacher(cfg.model):  # its manifest holds the sha256 of every file
+        return {"shipped": data_cache.sha256_file(assets.SHIPPED_TEACHER / data_cache.MANIFEST)}
+    if cfg.model.teacher_path is None:
+        d = pretrained_teacher_dir(cfg, data)
+        return {"embedded": d.name, "manifest": data_cache.sha256_file(d / data_cache.MANIFEST)}
+    p = Path(cfg.model.teacher_path).expanduser().resolve()
+    weights = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in p.iterdir()
+                     if f.suffix in (".safetensors", ".bin", ".pt"))
+    aligned = {} if cfg.model.vocab_alignment == "exact" else {"vocab_alignment": cfg.model.vocab_alignment}
+    return {"path": str(p), "config": data_cache.sha256_file(p / "config.json") if (p / "config.json").is_file()
+            else None, "weights": hashlib.sha256(repr(weights).encode()).hexdigest(), **aligned}  # aligned: other logits
 
 
 def recipe(cfg) -> dict:
