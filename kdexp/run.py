@@ -155,7 +155,7 @@ def main(cfg: DictConfig):
         kdexp.config.check_launch(cfg)  # enough processes for parallel.tensor (torchrun / SLURM tasks)
         # a run dir holding another config's run is refused (trainer.overwrite=true starts over)
         rundir.claim(run_dir, kdexp.config.config_hash(cfg), overwrite=cfg.trainer.overwrite)
-        from kdexp.plan import refuse_if_too_big
+        from kdexp.plan import flops_per_token, refuse_if_too_big
 
         refuse_if_too_big(cfg)  # trainer.gpu_memory_gb set: the plan must fit (kdexp.plan, no model built)
     except ValueError as err:
@@ -167,7 +167,7 @@ def main(cfg: DictConfig):
     from kdexp.train import run_point
 
     try:
-        return run_point(cfg)
+        return run_point(cfg, flops_per_token=flops_per_token)  # the cost record's FLOPs: the plan's formulas
     except Exception as err:
         if multirun:
             raise

@@ -279,7 +279,7 @@ _FAKE_TRAIN = textwrap.dedent("""
     import sys, kdexp.train, kdexp.run
     class Diverged(RuntimeError):
         pass
-    def run_point(cfg):
+    def run_point(cfg, **kwargs):
         if cfg.trainer.seed == 1:
             raise Diverged("non-finite loss at step 4; the last finite checkpoint is step 3 in RUNDIR")
         raise KeyError("something broke")

@@ -25,7 +25,7 @@ def compose(*overrides: str):
 
 @pytest.mark.parametrize("teacher", ["online", "cached"])
 def test_run_cost_record(teacher, tmp_path):
-    from kdexp.plan import _spec, make_plan, sizing
+    from kdexp.plan import _spec, flops_per_token, make_plan, sizing
 
     cfg = compose(f"teacher={teacher}", "trainer.max_steps=10")
     t = cfg.trainer
@@ -36,7 +36,7 @@ def test_run_cost_record(teacher, tmp_path):
     (cache / "manifest.json").write_text('{"build": {"wall_s": 36.0, "device_count": 1, "device_kind": "cpu (x)", '
                                          '"device_hours": 0.01, "tokens": 4096}}')
     track_cost.note_cache(cache)
-    c = track_cost.run_cost(cfg, wall_s=72.0)
+    c = track_cost.run_cost(cfg, wall_s=72.0, flops_per_token=flops_per_token)
     plan = make_plan(cfg)
     assert c["tokens"] == tokens and c["device_count"] == 1 and c["device_kind"].startswith("cpu")
     assert c["device_hours"] == pytest.approx(72.0 / 3600)
@@ -49,7 +49,7 @@ def test_run_cost_record(teacher, tmp_path):
         assert c["teacher_forward_flops"] == 0.0 and plan.flops["teacher"] == 0.0
         assert c["cache"]["path"] == str(cache) and c["cache"]["build"]["device_hours"] == 0.01
         assert c["cache"]["teacher_forward_flops"] == pytest.approx(teacher_fwd * 4096, rel=1e-12)
-    assert track_cost.run_cost(cfg, wall_s=1.0)["cache"] is None  # noted once: the next run opens its own
+    assert track_cost.run_cost(cfg, wall_s=1.0, flops_per_token=flops_per_token)["cache"] is None  # noted once: the next run opens its own
 
 
 def _point(root, num, alpha, seed, wall_s, cache=None, kl=1.0):

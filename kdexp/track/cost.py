@@ -6,7 +6,8 @@
                "device_hours": .., "tokens": .., "shards_written": .., "shards_kept": ..},
                "teacher_forward_flops": 2.7e14}}
 
-FLOPs are model FLOPs by kdexp.plan's formulas (kdexp.plan.flops_per_token), for the training steps only (the
+FLOPs are model FLOPs by kdexp.plan's formulas (kdexp.plan.flops_per_token, handed in: the plan sits above this
+package), for the training steps only (the
 evaluation passes are not counted); with ``teacher=cached`` the step runs no teacher (``teacher_forward_flops`` 0)
 and the cache build's teacher pass is recorded under ``cache``, once per build: the report divides it over the
 points of a sweep that share the cache (kdexp.report.cost). ``wall_s`` is this process's time in the point (a run
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import platform
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from kdexp.track import records
 
@@ -64,10 +65,9 @@ def tokens_per_step(cfg: Any, world_size: int) -> int:
     return accumulation_steps(t.global_batch_size, micro, dp) * micro * dp * int(t.seq_length)
 
 
-def run_cost(cfg: Any, *, wall_s: float, device: Any = None) -> dict:
-    """The cost record of a run that trained cfg.trainer.max_steps steps in ``wall_s`` seconds."""
-    from kdexp.plan import flops_per_token
-
+def run_cost(cfg: Any, *, wall_s: float, flops_per_token: Callable[[Any], dict], device: Any = None) -> dict:
+    """The cost record of a run that trained cfg.trainer.max_steps steps in ``wall_s`` seconds. ``flops_per_token(cfg)``
+    -> {"student", "teacher_forward"}: model FLOPs per trained token (kdexp.plan.flops_per_token)."""
     count, kind = device_info(device)
     tokens = int(cfg.trainer.max_steps) * tokens_per_step(cfg, count)
     cached = cfg.teacher.name == "cached"

@@ -17,6 +17,7 @@ import time
 import traceback
 import warnings
 from pathlib import Path
+from typing import Any, Callable
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
@@ -58,12 +59,13 @@ def _diverged_before(run_dir: Path, earlier: dict, where: Path) -> Diverged:
                     metrics=earlier.get("final"), skipped=earlier.get("skipped_steps") or 0, checkpoint=ckpt)
 
 
-def run_point(cfg) -> dict:
+def run_point(cfg, *, flops_per_token: Callable[[Any], dict]) -> dict:
     """Run (or reuse) one point. A failure outside a sweep leaves its traceback in run.log and error.log (in a sweep,
-    SweepCallback records it); a divergence also leaves summary.json with status "diverged"; then it re-raises."""
+    SweepCallback records it); a divergence also leaves summary.json with status "diverged"; then it re-raises.
+    ``flops_per_token(cfg)``: the model FLOPs per trained token its cost record counts (kdexp.plan.flops_per_token)."""
     run_dir, multirun, overrides, hc = _identity(cfg)
     try:
-        return _run_point(cfg, run_dir, multirun, overrides, hc)
+        return _run_point(cfg, run_dir, multirun, overrides, hc, flops_per_token)
     except Exception as exc:
         # a disk fault or a config error is one line (kdexp.run), not a traceback
         if not multirun and sweep.global_rank() == 0 and faults.disk_fault(exc) is None and \
@@ -73,7 +75,8 @@ def run_point(cfg) -> dict:
         raise
 
 
-def _run_point(cfg, run_dir: Path, multirun: bool, overrides: list, hc) -> dict:
+def _run_point(cfg, run_dir: Path, multirun: bool, overrides: list, hc,
+               flops_per_token: Callable[[Any], dict]) -> dict:
     key = config_hash(cfg)
     rank0 = sweep.global_rank() == 0  # before any process group exists
     done = records.read_json(run_dir / records.SUMMARY)
@@ -151,7 +154,8 @@ def _run_point(cfg, run_dir: Path, multirun: bool, overrides: list, hc) -> dict:
     wall_s = time.perf_counter() - started
     summary = {**record, "status": "finished", "wall_s": wall_s, "final": final,
                "skipped_steps": int(final.get("train/skipped_steps", 0)),
-               "cost": run_cost(cfg, wall_s=wall_s, device=distributed.state().device)}  # kdexp.track.cost
+               "cost": run_cost(cfg, wall_s=wall_s, flops_per_token=flops_per_token,  # kdexp.track.cost
+                                 device=distributed.state().device)}
     if distributed.is_rank0():
         wandb_logger.summary({**final, "cost": summary["cost"]})  # W&B keeps the cost too (a report from the group)
         records.write_json(run_dir / records.SUMMARY, summary)  # last: its presence means the run finished
