@@ -1,5 +1,5 @@
 """Throwaway Hydra apps for the sweep and SLURM tests: a config that uses kdexp's launcher presets, the kdexp_uid
-resolver and SweepCallback, written into a test's tmp_path together with a task function the test chooses."""
+resolver and the sweep callback (kdexp.report.callback.LiveSweepCallback), written into a test's tmp_path together with a task function the test chooses."""
 from __future__ import annotations
 
 import glob
@@ -27,7 +27,7 @@ hydra:
     subdir: ${{hydra.job.num}}
   callbacks:
     sweep:
-      _target_: kdexp.track.sweep.SweepCallback
+      _target_: kdexp.report.callback.LiveSweepCallback
 """
 
 APP_HEADER = """\

@@ -3,25 +3,40 @@
     python -m kdexp.report SWEEP_DIR                  -> SWEEP_DIR/report/{report.md, index.html, *.png}
 
 The notebook (notebooks/ablation_report.ipynb) calls the same functions. Nothing here imports the training code.
+The sweep's live dashboard is kept by kdexp.report.callback.LiveSweepCallback (the Hydra callback conf/config.yaml
+names).
 """
-from kdexp.report.comparisons import configurations_table, differences_table
-from kdexp.report.cost import add_cost_metrics, cost_table
-from kdexp.report.document import ReportFiles, render_html, render_markdown, write_report
-from kdexp.report.model import Aggregate, Point, Sweep, aggregate
-from kdexp.report.params import build_sweep
-from kdexp.report.rundirs import find_run_dirs, latest_sweep, load_point, load_sweep
-from kdexp.report.replicates import Configuration, configurations, is_timing
-from kdexp.report.stats import Difference, Summary, compare, paired_difference, summarize
-from kdexp.report.plots import plot_arms, plot_curves, plot_metric_vs_param, plot_quality_vs_cost, write_plots
-from kdexp.report.ranges import METRIC_RANGES, MIN_INTERVAL_N
-from kdexp.report.tables import (BEST_METRICS, TABLE_METRICS, Best, Table, arms_table, best_lines, best_points,
-                                 points_table, summary_line, to_html, to_markdown)
-from kdexp.report.wandb_source import load_wandb_group
+from __future__ import annotations
 
-__all__ = ["Point", "Sweep", "Aggregate", "aggregate", "load_sweep", "load_point", "find_run_dirs", "build_sweep", "latest_sweep",
-           "Table", "Best", "TABLE_METRICS", "BEST_METRICS", "points_table", "arms_table", "best_points", "best_lines",
-           "summary_line", "to_markdown", "to_html", "plot_curves", "plot_metric_vs_param", "plot_arms", "write_plots",
-           "ReportFiles", "write_report", "render_markdown", "render_html", "load_wandb_group",
-           "configurations_table", "differences_table", "Configuration", "configurations", "is_timing", "Summary",
-           "Difference", "summarize", "paired_difference", "compare", "cost_table", "add_cost_metrics",
-           "plot_quality_vs_cost", "METRIC_RANGES", "MIN_INTERVAL_N"]
+import importlib
+
+# name -> module. Loaded on first use (PEP 562): Hydra instantiates the sweep callback (kdexp.report.callback) in
+# every run, and that must not import matplotlib and the tables before a report is drawn.
+_EXPORTS = {
+    "configurations_table": "comparisons", "differences_table": "comparisons",
+    "add_cost_metrics": "cost", "cost_table": "cost",
+    "ReportFiles": "document", "render_html": "document", "render_markdown": "document", "write_report": "document",
+    "Aggregate": "model", "Point": "model", "Sweep": "model", "aggregate": "model",
+    "build_sweep": "params",
+    "find_run_dirs": "rundirs", "latest_sweep": "rundirs", "load_point": "rundirs", "load_sweep": "rundirs",
+    "Configuration": "replicates", "configurations": "replicates", "is_timing": "replicates",
+    "Difference": "stats", "Summary": "stats", "compare": "stats", "paired_difference": "stats", "summarize": "stats",
+    "plot_arms": "plots", "plot_curves": "plots", "plot_metric_vs_param": "plots", "plot_quality_vs_cost": "plots",
+    "write_plots": "plots",
+    "METRIC_RANGES": "ranges", "MIN_INTERVAL_N": "ranges",
+    "BEST_METRICS": "tables", "TABLE_METRICS": "tables", "Best": "tables", "Table": "tables", "arms_table": "tables",
+    "best_lines": "tables", "best_points": "tables", "points_table": "tables", "summary_line": "tables",
+    "to_html": "tables", "to_markdown": "tables",
+    "load_wandb_group": "wandb_source",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'kdexp.report' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"kdexp.report.{_EXPORTS[name]}"), name)
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -1,7 +1,7 @@
 """The live sweep dashboard: SWEEP_DIR/report/index.html regenerated while a sweep runs.
 
 Two writers keep it current, both through ``refresh`` (one at a time, under a file lock in the report dir):
-  - the sweep itself: kdexp.track.callback.SweepCallback calls ``refresh_quietly`` when the sweep starts (every point
+  - the sweep itself: kdexp.report.callback.LiveSweepCallback calls ``refresh_quietly`` when the sweep starts (every point
     pending), when each point starts and ends (on the job's rank 0: in-process, a submitit worker or a SLURM task) and, with
     ``live=False``, when the multirun ends; a report error is printed as one line and never fails the sweep;
   - ``python -m kdexp.report SWEEP_DIR --watch``: regenerates it whenever a point's files change (curves so far of

@@ -8,9 +8,10 @@
   - on_multirun_end (the submitting process): the final sweep.json, a summary line, and exit status 1 when a point
     failed or diverged (``fail_exit``).
 
-With ``report`` (the default) the sweep's live dashboard, <sweep>/report/index.html, is regenerated when the sweep
-starts, when each point starts and ends (rank 0 of the job) and, final and without its refresh tag, when the multirun ends
-(kdexp.report.live; a report error is one line on stderr and never fails a point or the sweep).
+The live dashboard, <sweep>/report/index.html, is regenerated when the sweep starts, when each point starts and ends
+(rank 0 of the job) and, final and without its refresh tag, when the multirun ends: through ``refresh_report``, which
+does nothing here. kdexp.report sits above this package (it reads these records), so the page is drawn by a subclass
+there, kdexp.report.callback.LiveSweepCallback, the callback conf/config.yaml names; ``report=false`` turns it off.
 
 A point that raised is "diverged" when its summary.json says so (kdexp.train.point writes it when a non-finite loss
 or gradient norm stopped the run), else "failed". How Hydra handles a failing job, and why this acts in on_job_end:
@@ -48,12 +49,16 @@ class SweepCallback(Callback):
     keep_going: a failing point is recorded and the sweep goes on (else Hydra stops after the batch).
     fail_exit: at the end of a multirun with failed or diverged points, exit with status 1 (after sweep.json is
     written).
+    report: keep the live dashboard current, where the class draws one (``live_page``; the progress lines then name
+    it).
     """
+
+    live_page = False  # True in a subclass whose refresh_report draws the dashboard
 
     def __init__(self, keep_going: bool = True, fail_exit: bool = True, report: bool = True) -> None:
         self.keep_going = keep_going
         self.fail_exit = fail_exit
-        self.report = report
+        self.report = report and self.live_page
 
     @staticmethod
     def _beat(directory: Path, on: bool) -> None:
@@ -63,15 +68,13 @@ class SweepCallback(Callback):
         elif not on and directory in _BEATS:
             _BEATS.pop(directory).stop()
 
+    def refresh_report(self, sweep_dir: Path, live: Optional[bool] = None) -> None:
+        """Regenerate the sweep's live dashboard (``live``: None = refresh tag while a point is pending or running,
+        False = the final page). None here: kdexp.report.callback.LiveSweepCallback draws it."""
+
     def _refresh_report(self, sweep_dir: Path, live: Optional[bool] = None) -> None:
-        if not self.report:
-            return
-        try:
-            from kdexp.report.live import refresh_quietly
-        except Exception as exc:  # noqa: BLE001 - e.g. matplotlib missing on a node: the sweep still runs
-            print(f"[sweep] report not updated ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
-            return
-        refresh_quietly(sweep_dir, live=live)
+        if self.report:
+            self.refresh_report(sweep_dir, live=live)
 
     # submitting process -------------------------------------------------------------------------------------------
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:

@@ -3,7 +3,8 @@
 Importing it registers the OmegaConf resolvers the configs refer to: ``kdexp_uid`` and ``kdexp_stamp``
 (kdexp.track.rundir) and ``kdexp_site_dir`` (kdexp.launchers.site). Each concept lives in its own module:
 
-  kdexp.track.callback       SweepCallback, the Hydra callback (``hydra.callbacks: {_target_: kdexp.track.sweep...}``)
+  kdexp.track.callback       SweepCallback, the Hydra callback (conf/config.yaml names its subclass with the live
+                             dashboard, kdexp.report.callback.LiveSweepCallback)
   kdexp.track.points         point.json / sweep.json bookkeeping, failure records, progress lines
   kdexp.track.naming         W&B group / name / job type of a run
   kdexp.track.hydra_adapter  the only use of Hydra internals (planning the points, a job's exception)
