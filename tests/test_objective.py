@@ -29,7 +29,7 @@ def test_the_registry_names_each_shipped_loss_and_refuses_an_unknown_one():
     assert objective.family(LossConfig(name="dense", top_k=None)) == "logit"
     assert objective.family(LossConfig(name="sampled", top_k=None, ghost_token=False, samples=8)) == "sampled"
     assert {teacher for _, teacher in objective.LOSSES} == set(objective.TEACHERS)
-    with pytest.raises(ValueError, match=r"loss.name='nope' is invalid: must be a registered loss, one of dense"):
+    with pytest.raises(ValueError, match=r"loss.name='nope' is invalid: must be a registered loss, one of sampled, top_p, renorm_topk, topk, dense"):
         objective.family(LossConfig(name="nope"))
 
 

@@ -5,8 +5,8 @@ The rooms:
 - ``sources``: where the teacher's side of a batch comes from (``TEACHERS``: the online teacher model, an offline
   cache) and a model's output as the objective reads it (``ModelOut``, ``forward``).
 - ``terms``: the KD term interface (``KDTerm``), one term per loss family x teacher kind, and the registry
-  (``LOSSES``, ``FAMILIES``, ``register_loss``) that maps a config to one. Nothing outside these tables branches on
-  the loss or the teacher kind.
+  (``LOSSES``, ``register_loss``; the loss names are kdexp.losses.options.LOSS_NAMES) that maps a config to one.
+  Nothing outside these tables branches on the loss or the teacher kind.
 - ``tokens``: per-token quantities (the one cross-entropy, token normalisation, hidden-state losses, eval metrics).
 
 The objective owns the output layer: with the fused head (``loss.fused_head``, the rule in
@@ -26,7 +26,7 @@ from kdexp import distributed
 from kdexp.losses import BalancerOptions
 from kdexp.losses.head import ChunkLoss, fused_head_loss, head_chunk_rows, uses_fused_head
 from kdexp.objective.sources import TEACHERS, CachedTeacher, ModelOut, OnlineTeacher, forward
-from kdexp.objective.terms import FAMILIES, LOSSES, CachedLogitTerm, CachedSampledTerm, KDTerm, LogitTerm, \
+from kdexp.objective.terms import LOSSES, CachedLogitTerm, CachedSampledTerm, KDTerm, LogitTerm, \
     SampledTerm, TermStats, family, register_loss, term
 from kdexp.objective.tokens import INTERMEDIATE_ATTR, attach_intermediate, cross_entropy, full_kl, \
     intermediate_layers, intermediate_loss, lm_loss, masked_mean, token_share, top1_agreement, vocab_parallel_argmax
@@ -34,7 +34,7 @@ from kdexp.objective.tokens import INTERMEDIATE_ATTR, attach_intermediate, cross
 __all__ = [
     "Objective", "ObjectiveResult", "build", "build_balancer", "ChunkLoss",
     "TEACHERS", "CachedTeacher", "ModelOut", "OnlineTeacher", "forward",
-    "FAMILIES", "LOSSES", "CachedLogitTerm", "CachedSampledTerm", "KDTerm", "LogitTerm", "SampledTerm", "TermStats",
+    "LOSSES", "CachedLogitTerm", "CachedSampledTerm", "KDTerm", "LogitTerm", "SampledTerm", "TermStats",
     "family", "register_loss", "term",
     "INTERMEDIATE_ATTR", "attach_intermediate", "cross_entropy", "full_kl", "intermediate_layers",
     "intermediate_loss", "lm_loss", "masked_mean", "token_share", "top1_agreement", "vocab_parallel_argmax",

@@ -3,8 +3,9 @@ a run's config to one.
 
 - ``LOSSES``: (family, teacher kind) -> a factory called once per run with (loss_cfg, teacher source), returning a
   KDTerm (options parsed there, once).
-- ``FAMILIES``: loss.name -> family: "logit" for the shipped logit losses ("sampled" whenever loss.samples is set);
-  a new loss registers its own name with ``register_loss`` (docs/extending.md).
+- loss.name -> family: the one table of loss names, kdexp.losses.options.LOSS_NAMES ("logit" for the shipped logit
+  losses; "sampled" whenever loss.samples is set); a new loss registers its own name with ``register_loss``
+  (docs/extending.md).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from kdexp import distributed
 from kdexp.losses import KDLossOptions, SampledKDOptions, cached_kd_loss, logits_kd_loss, sample_teacher, \
     sampled_kd_loss, weigh
 from kdexp.losses.head import ChunkLoss
+from kdexp.losses.options import LOSS_NAMES, register_loss_name
 from kdexp.losses.sampled import unique_mass
 from kdexp.objective.sources import ModelOut
 
@@ -154,14 +156,13 @@ LOSSES: dict[tuple[str, str], Callable] = {
         KDLossOptions.from_config(c), SampledKDOptions.from_config(c),
         _check_record(t.cache, "sampled", SampledKDOptions.from_config(c))),
 }
-FAMILIES: dict[str, str] = {"dense": "logit", "topk": "logit", "top_p": "logit", "renorm_topk": "logit",
-                            "sampled": "logit"}
 
 
 def register_loss(name: str, factory: Callable, teachers=("online",)) -> None:
     """Register a loss: conf/loss/<name>.yaml sets `name: <name>`; `factory(loss_cfg, teacher_source)` returns its
-    KDTerm. `teachers`: the teacher kinds it serves ("online", "cached")."""
-    FAMILIES[name] = name
+    KDTerm. `teachers`: the teacher kinds it serves ("online", "cached"). The name joins the one table of loss names
+    (kdexp.losses.options.LOSS_NAMES), so that the config checks accept it."""
+    register_loss_name(name, family=name)
     for kind in teachers:
         LOSSES[(name, kind)] = factory
 
@@ -169,10 +170,10 @@ def register_loss(name: str, factory: Callable, teachers=("online",)) -> None:
 def family(loss_cfg) -> str:
     if SampledKDOptions.from_config(loss_cfg).enabled:
         return "sampled"
-    if loss_cfg.name not in FAMILIES:
+    if loss_cfg.name not in LOSS_NAMES:
         raise ValueError(f"loss.name={loss_cfg.name!r} is invalid: must be a registered loss, one of "
-                         f"{', '.join(sorted(FAMILIES))} (kdexp.objective.register_loss)")
-    return FAMILIES[loss_cfg.name]
+                         f"{', '.join(LOSS_NAMES)} (kdexp.objective.register_loss)")
+    return LOSS_NAMES[loss_cfg.name].family
 
 
 def term(loss_cfg, source) -> KDTerm:
