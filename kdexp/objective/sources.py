@@ -5,7 +5,8 @@
   outputs the hidden-state losses read and, for a cached teacher, the cache keys.
 - ``forward``: a model's forward into a ModelOut.
 - ``TEACHERS``: teacher.name -> the teacher source: "online" (the frozen teacher model runs on the batch) or
-  "cached" (an offline teacher cache, kdexp.teacher, built or verified when the source is made).
+  "cached" (an offline teacher cache, kdexp.teacher, built or verified when the source is made), each made once per
+  run with the run's parsed loss options.
 """
 from __future__ import annotations
 
@@ -117,13 +118,13 @@ class CachedTeacher:
         return ModelOut(sample_index=batch["sample_index"])
 
 
-def _online(cfg, data, model, *, fused: bool, layers=()):
+def _online(cfg, data, model, *, fused: bool, layers=(), opts: KDLossOptions):
     return OnlineTeacher(model, fused=fused, layers=layers)
 
 
-def _cached(cfg, data, model, *, fused: bool, layers=()):
+def _cached(cfg, data, model, *, fused: bool, layers=(), opts: KDLossOptions):
+    """`opts`: the run's loss options, parsed once (kdexp.objective.build)."""
     cache = ensure(cfg, data, model)  # one teacher pass into the cache (skipped when it exists)
-    opts = KDLossOptions.from_config(cfg.loss)
     if cache.layout.record == "topk" and opts.top_k is None and not opts.dense:  # a nucleus served from top-K_max
         started = time.perf_counter()
         try:
