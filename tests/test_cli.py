@@ -14,8 +14,9 @@ import pytest
 import yaml
 from hydra._internal.utils import get_args_parser
 
-from kdexp.run import _is_diverged, hydra_argv
+from kdexp.run import hydra_argv
 from kdexp.track import records
+from kdexp.track.faults import is_diverged as _is_diverged
 
 REPO = Path(__file__).resolve().parents[1]
 README_SWEEP = "python -m kdexp.run loss=top_p loss.top_p=0.9 -m balancer.alpha=0.5,0.9,1.0"
