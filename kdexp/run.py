@@ -29,7 +29,6 @@ from omegaconf import DictConfig
 
 import kdexp.conf  # noqa: F401  (registers the typed schema and the resolvers the YAML uses)
 import kdexp.config
-from kdexp.rules import ConfigError
 from kdexp.track import faults, records, rundir
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -121,12 +120,6 @@ _EXIT = 0  # set by main() when a single run ends with a user error (2) or a div
 _COMPOSE_ERRORS = (OverrideParseException, ConfigCompositionException, SearchPathException)
 
 
-def _is_diverged(err: BaseException) -> bool:
-    """kdexp.train's ``Diverged`` (a RuntimeError subclass), matched by class name so that this module needs no
-    import of the training code before the config is known good (and works where that class does not exist)."""
-    return isinstance(err, RuntimeError) and any(c.__name__ == "Diverged" for c in type(err).__mro__)
-
-
 def _single_run_failed(code: Optional[int], line: Optional[str], run_dir, error_text: Optional[str]) -> None:
     """Exit status ``code`` for cli(); on global rank 0 (every rank fails the same way) the one line on stderr and
     the error into the run dir's error.log and run.log."""
@@ -171,17 +164,11 @@ def main(cfg: DictConfig):
     except Exception as err:
         if multirun:
             raise
-        if isinstance(err, ConfigError):  # the data or the teacher cache shows a value wrong: before the student
-            _single_run_failed(2, f"kdexp: error: {err}", run_dir, f"config error: {err}\n")
-            return None
-        if _is_diverged(err):  # kdexp.train wrote summary.json (status diverged), run.log and error.log
-            _single_run_failed(1, f"kdexp: {err}", run_dir, None)
-            return None
-        fault = faults.disk_fault(err)
-        if fault is not None:  # a full disk, a read-only dir: the path and the cause, no traceback
-            _single_run_failed(1, f"kdexp: error: {faults.describe(fault)}", run_dir, None)
-            return None
-        raise  # kdexp.train wrote run.log and error.log; Hydra prints the traceback; exit status 1
+        end = faults.ending(err)  # which errors are one line: decided there, for run_point's records too
+        if end.line is None:
+            raise  # kdexp.train wrote run.log and error.log; Hydra prints the traceback; exit status 1
+        _single_run_failed(end.code, end.line, run_dir, end.error_log)
+        return None
 
 
 def _one_mode(argv: Sequence[str]):

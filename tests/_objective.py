@@ -12,7 +12,8 @@ def kd_loss(student: torch.Tensor, teacher, mask: torch.Tensor, loss_cfg, *, sam
     kdexp.teacher.TeacherCache at `sample_index`."""
     cached = sample_index is not None
     source = objective.CachedTeacher(teacher) if cached else None
-    term = objective.LOSSES[(objective.family(loss_cfg), "cached" if cached else "online")](loss_cfg, source)
+    loss = objective.LossOptions.parse(loss_cfg)
+    term = objective.LOSSES[(objective.family(loss), "cached" if cached else "online")](loss, source)
     obj = objective.Objective(loss_cfg, source, term, fused=False, fuses_lm=False)
     t_out = objective.ModelOut(sample_index=sample_index) if cached else objective.ModelOut(logits=teacher)
     batch = {"labels": torch.zeros(mask.shape, dtype=torch.long), "loss_mask": mask}

@@ -14,8 +14,9 @@ import pytest
 import yaml
 from hydra._internal.utils import get_args_parser
 
-from kdexp.run import _is_diverged, hydra_argv
+from kdexp.run import hydra_argv
 from kdexp.track import records
+from kdexp.track.faults import is_diverged as _is_diverged
 
 REPO = Path(__file__).resolve().parents[1]
 README_SWEEP = "python -m kdexp.run loss=top_p loss.top_p=0.9 -m balancer.alpha=0.5,0.9,1.0"
@@ -206,6 +207,25 @@ def test_a_bad_value_is_one_line_exit_2_and_nothing_is_built(env, tmp_path, over
     # the run dir says why, as a failed sweep point does
     assert line.format(d=tmp_path).removeprefix("kdexp: error: ") in (run_dir / records.ERROR_LOG).read_text()
     assert line.format(d=tmp_path).removeprefix("kdexp: error: ") in (run_dir / records.RUN_LOG).read_text()
+
+
+def test_an_unknown_loss_name_is_one_line_exit_2_before_data_or_teacher(env, tmp_path):
+    """`loss.name` is checked against the one table of loss names by validate(), before data, teacher or model are
+    built: the run dir holds what any refused value leaves there (Hydra's .hydra/, run.log and error.log saying
+    why), and nothing else exists."""
+    listings = {}
+    for name, override in (("nope", "loss.name=nope"), ("lr", "trainer.lr=-1")):
+        run_dir = tmp_path / name
+        r = kdexp(["experiment=smoke", override, f"hydra.run.dir={run_dir}"], env, tmp_path)
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        assert len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stdout + r.stderr, r.stderr
+        listings[name] = sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*"))
+        if name == "nope":
+            assert r.stderr.startswith("kdexp: error: loss.name='nope' is invalid: must be one of sampled, top_p, "
+                                       "renorm_topk, topk, dense"), r.stderr
+            assert "loss.name='nope' is invalid" in (run_dir / records.ERROR_LOG).read_text()
+    assert listings["nope"] == listings["lr"]
+    _nothing_built(env, tmp_path)
 
 
 @pytest.mark.parametrize("args, says", [

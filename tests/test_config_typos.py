@@ -3,12 +3,16 @@ contradicts the loss's name, and a tensor-parallel size the launch cannot hold. 
 exit 2) is tests/test_cli.py's test_a_typo_never_runs_another_job."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 
 import kdexp.conf  # noqa: F401  (registers the schema and resolvers)
 from kdexp.config import check_launch, overrides, validate
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def cfg_of(*args: str):
@@ -76,6 +80,27 @@ def test_options_that_contradict_the_loss_name(args, key, fits):
     with pytest.raises(ValueError, match=rf"^loss\.{key}=.* is invalid: contradicts {args[0]} .* make a loss={fits} "
                                          rf"loss; choose loss={fits}"):
         validate(cfg_of(*args))
+
+
+def test_the_loss_names_are_one_table_the_yaml_files_and_the_schema_agree_with():
+    """kdexp.losses.options.LOSS_NAMES is the one table of loss names: each conf/loss/<name>.yaml sets `name: <name>`
+    of the table, each shipped name has its file, and the schema's default is one of them."""
+    import yaml
+
+    from kdexp.config.schema import LossConfig
+    from kdexp.losses.options import LOSS_NAMES
+
+    files = {p.stem: yaml.safe_load(p.read_text()) or {} for p in (REPO / "conf" / "loss").glob("*.yaml")}
+    assert {stem: body.get("name", LossConfig.name) for stem, body in files.items()} == {n: n for n in LOSS_NAMES}
+    assert LossConfig.name in LOSS_NAMES
+
+
+def test_an_unknown_loss_name_is_refused_first():
+    """Before the data, model or tokenizer checks (a bad data.max_chars in the same config is not the one named)."""
+    with pytest.raises(ValueError, match=r"^loss\.name='nope' is invalid: must be one of sampled, top_p, renorm_topk, "
+                                         r"topk, dense \(conf/loss/<name>\.yaml; a new loss registers its name with "
+                                         r"kdexp\.objective\.register_loss\)$"):
+        validate(cfg_of("loss.name=nope", "data.max_chars=100"))
 
 
 @pytest.mark.parametrize("args", [

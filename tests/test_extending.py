@@ -13,6 +13,7 @@ import torch
 
 from _lone_process import lone_process
 from kdexp import objective
+from kdexp.losses.options import LOSS_NAMES
 from test_readme import parse
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "extending.md"
@@ -30,13 +31,13 @@ def _block(lang: str) -> str:
 def registered():
     """The page's Python block run as printed (its register_loss call included); the registry is restored when the
     test ends."""
-    saved = dict(objective.FAMILIES), dict(objective.LOSSES)
+    saved = dict(LOSS_NAMES), dict(objective.LOSSES)
     ns: dict = {"__name__": "extending_doc"}
     exec(compile(_block("python"), str(PAGE), "exec"), ns)
-    assert objective.FAMILIES["logit_mse"] == "logit_mse"
+    assert LOSS_NAMES["logit_mse"].family == "logit_mse"
     assert objective.LOSSES[("logit_mse", "online")] is ns["LogitMSETerm"]
     yield ns
-    for table, before in zip((objective.FAMILIES, objective.LOSSES), saved):
+    for table, before in zip((LOSS_NAMES, objective.LOSSES), saved):
         table.clear()
         table.update(before)
 

@@ -115,7 +115,8 @@ def test_the_step_rule_fuses_sparse_and_sampled_losses_at_temperature_one():
     from kdexp import objective
 
     def fuses_lm(c):  # the term the registry builds for an online teacher
-        return objective.LOSSES[(objective.family(c), "online")](c, None).fuses_lm
+        loss = objective.LossOptions.parse(c)
+        return objective.LOSSES[(objective.family(loss), "online")](loss, None).fuses_lm
 
     assert fuses_lm(LossConfig(top_k=1024))
     assert fuses_lm(LossConfig(top_k=None, top_p=0.9))

@@ -29,8 +29,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kdexp.losses import cached_kd_loss, logits_kd_loss, sample_teacher, sampled_kd_loss, teacher_topk_record
-from kdexp.losses.head import CHUNK_ALIGN, CHUNK_FRACTION, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, ChunkLoss, fused_head_loss, \
-    head_chunk_rows, teacher_head_logits, tp_copy
+from kdexp.losses.chunking import CHUNK_ALIGN, CHUNK_FRACTION, MAX_CHUNK_BYTES, MIN_CHUNK_BYTES, head_rows
+from kdexp.losses.head import ChunkLoss, fused_head_loss, teacher_head_logits, tp_copy
 
 N, H, HT, V = 13, 8, 12, 48
 IGNORE = -100
@@ -319,11 +319,11 @@ def test_a_stat_reported_by_some_chunks_only_is_summed_over_those():
 
 
 def test_chunk_rule():
-    assert head_chunk_rows(2048, 151936, torch.float32) == 96  # <= 1/20 of the fp32 logits, a multiple of 16
-    assert head_chunk_rows(4096, 151936, torch.bfloat16) == 192  # the fp32 accumulation dtype sizes it
-    assert head_chunk_rows(10, 100, torch.float32) == 10  # small: one chunk
-    assert head_chunk_rows(100, 151936, torch.float32) == 6  # the 4 MiB floor, below the alignment: equal heights
-    assert head_chunk_rows(10, 100, torch.float32, 3) == 3
+    assert head_rows(2048, 151936, torch.float32) == 96  # <= 1/20 of the fp32 logits, a multiple of 16
+    assert head_rows(4096, 151936, torch.bfloat16) == 192  # the fp32 accumulation dtype sizes it
+    assert head_rows(10, 100, torch.float32) == 10  # small: one chunk
+    assert head_rows(100, 151936, torch.float32) == 6  # the 4 MiB floor, below the alignment: equal heights
+    assert head_rows(10, 100, torch.float32, 3) == 3
 
 
 @given(n=st.integers(1, 70_000), vocab=st.integers(1, 300_000))
@@ -331,7 +331,7 @@ def test_chunk_rule():
 def test_chunk_rule_properties(n, vocab):
     """Within the byte budget; aligned to 16 rows whenever the budget holds 16 and one chunk does not; no more chunks
     than the (aligned) budget needs, and no taller than those chunks need."""
-    rows = head_chunk_rows(n, vocab, torch.float32)
+    rows = head_rows(n, vocab, torch.float32)
     row = vocab * 4
     budget = min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, n * row // CHUNK_FRACTION))
     fit = max(1, min(n, budget // row))

@@ -25,12 +25,16 @@ def _cfg(*overrides):
 
 
 def test_the_registry_names_each_shipped_loss_and_refuses_an_unknown_one():
-    assert objective.family(LossConfig()) == "logit"
-    assert objective.family(LossConfig(name="dense", top_k=None)) == "logit"
-    assert objective.family(LossConfig(name="sampled", top_k=None, ghost_token=False, samples=8)) == "sampled"
+    def family(**kw):
+        return objective.family(objective.LossOptions.parse(LossConfig(**kw)))
+
+    assert family() == "logit"
+    assert family(name="dense", top_k=None) == "logit"
+    assert family(name="sampled", top_k=None, ghost_token=False, samples=8) == "sampled"
     assert {teacher for _, teacher in objective.LOSSES} == set(objective.TEACHERS)
-    with pytest.raises(ValueError, match=r"loss.name='nope' is invalid: must be a registered loss, one of dense"):
-        objective.family(LossConfig(name="nope"))
+    with pytest.raises(ValueError, match=r"loss.name='nope' is invalid: must be a registered loss, one of sampled, "
+                                         r"top_p, renorm_topk, topk, dense"):
+        family(name="nope")
 
 
 def _distill(tmp_path, name, overrides):

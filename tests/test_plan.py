@@ -282,10 +282,21 @@ def test_the_cli_prints_the_real_qwen3_plan_without_weights_and_rejects_bad_inpu
     assert main(["trainer.no_such_key=1"]) == 2 and "no_such_key" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("base", [(), ("loss=dense",), ("loss.fused_head=true",)])
+def test_a_top_p_of_one_is_planned_as_no_cut(base):
+    """top_p = 1.0 cuts nothing (kdexp.losses.options.cuts): the loss runs as without it (the chunk kernels drop it),
+    so the plan's items are those of top_p = null, byte for byte."""
+    def items(*extra):
+        return [(name, b) for name, b, _ in make_plan(_cfg(*base, *extra)).items]
+
+    assert items("loss.top_p=1.0") == items("loss.top_p=null")
+    assert items("loss.top_p=0.9") != items("loss.top_p=null")  # a real cut is planned as one
+
+
 def test_the_fused_head_is_planned_as_hidden_states_and_one_chunk():
     """loss.fused_head: no [tokens, V] item; the teacher's and the student's final hidden states, the
     head's gradients (hidden states, the output weight's fp32 accumulator) and one chunk of tokens' logit items."""
-    from kdexp.losses.head import head_chunk_rows
+    from kdexp.losses.chunking import head_rows
 
     n, v = 2 * 64, 2048
     items = {name: b for name, b, _ in make_plan(_cfg("loss.fused_head=true")).items}
@@ -293,7 +304,7 @@ def test_the_fused_head_is_planned_as_hidden_states_and_one_chunk():
     assert not {"teacher logits", "student logits", "logit gradients"} & set(items)
     assert items["teacher hidden states"] == n * 256 * 4 and items["head hidden states"] == n * 128 * 4
     assert items["head gradients"] == n * 128 * 4 + v * 128 * 4
-    rows = head_chunk_rows(n, v, torch.float32)
+    rows = head_rows(n, v, torch.float32)
     assert rows == n  # the smoke batch fits the head's 4 MiB minimum chunk: its working set is the whole-logit items
     assert items["head chunk working set"] == sum(whole.get(k, 0) for k in (
         "teacher logits", "student logits", "LM loss fp32 softmax", "KD loss saved values", "logit gradients",

@@ -131,9 +131,9 @@ def test_draws_are_deterministic_per_seed_and_step():
 def test_draws_from_logit_rows_are_the_draws_from_the_whole_tensor(monkeypatch):
     """LogitRows (the fused head's teacher: logits formed chunk by chunk, never whole) gives the ids, counts, logits
     and normalisers the [n, V] tensor gives; the chunks cover every row once and none is the whole batch."""
-    from kdexp.losses import LogitRows, sampled
+    from kdexp.losses import LogitRows, chunking
 
-    monkeypatch.setattr(sampled, "_CHUNK_BYTES", 3 * V * 8 * 3)  # 3 rows per chunk
+    monkeypatch.setattr(chunking, "SAMPLED_BYTES", 3 * V * 8 * 3)  # 3 rows per chunk
     t = torch.randn(10, V, generator=torch.Generator().manual_seed(2)) * 3
     asked = []
 

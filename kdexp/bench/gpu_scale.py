@@ -128,8 +128,8 @@ def run(teacher: str = "1.7b", student: str = "0.6b", *, steps: int = 50, lm_ste
     per_gpu = 1.0 / st.world_size
     return {
         "teacher": cfg.model.teacher, "student": cfg.model.student, "seq": t.seq_length, "micro": t.micro_batch_size,
-        "precision": getattr(t, "precision", None), "params_dtype": cfg.model.params_dtype,
-        "recompute": getattr(t, "recompute", None), "steps": steps, "lm_steps": lm_steps, "notes": notes,
+        "precision": t.precision, "params_dtype": cfg.model.params_dtype,
+        "recompute": t.recompute, "steps": steps, "lm_steps": lm_steps, "notes": notes,
         "device": str(st.device), "peak_tflops": peak_flops / 1e12,
         "kd_step_ms": 1e3 * kd_s, "lm_step_ms": 1e3 * lm_s, "kd_overhead": kd_s / lm_s - 1.0,
         "kd_tokens_per_s": kd_tps, "lm_tokens_per_s": lm_tps,

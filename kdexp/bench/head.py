@@ -45,7 +45,8 @@ import torch
 
 from kdexp.bench.losses import StorageTimeline
 from kdexp.losses import logits_kd_loss
-from kdexp.losses.head import ChunkLoss, fused_head_loss, head_chunk_rows, teacher_head_logits
+from kdexp.losses.chunking import head_rows
+from kdexp.losses.head import ChunkLoss, fused_head_loss, teacher_head_logits
 
 
 def _inputs(a):
@@ -128,7 +129,7 @@ def main(argv=None):
     ap.add_argument("--top-k", type=int, default=1024)
     ap.add_argument("--teacher-scale", type=float, default=5.0)
     ap.add_argument("--alpha", type=float, default=0.5, help="total = (1 - alpha) lm + alpha kd")
-    ap.add_argument("--chunk-tokens", type=int, default=None, help="default: kdexp.losses.head.head_chunk_rows")
+    ap.add_argument("--chunk-tokens", type=int, default=None, help="default: kdexp.losses.chunking.head_rows")
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed rounds after the measured warm-up runs, the paths in turn within each round (0: time "
                          "the measured runs themselves)")
@@ -144,7 +145,7 @@ def main(argv=None):
         torch.set_num_threads(a.threads)
     hidden, weight, *rest = _inputs(a)
     logits_bytes = a.tokens * a.vocab * 4
-    rows = head_chunk_rows(a.tokens, a.vocab, torch.float32, a.chunk_tokens)
+    rows = head_rows(a.tokens, a.vocab, torch.float32, a.chunk_tokens)
     print(f"head bench: tokens {a.tokens}, H {a.hidden}, teacher H {a.teacher_hidden}, V {a.vocab}, top-k {a.top_k}, "
           f"chunk {rows} tokens, threads {torch.get_num_threads()}; one fp32 [tokens, V] = {logits_bytes / 2**20:.0f} "
           "MiB", flush=True)

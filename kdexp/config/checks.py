@@ -14,7 +14,8 @@ from kdexp.config.rules import unresolved
 from kdexp.config.sources import (ALIGNMENTS, check_alignment, check_data, check_model, check_tokenizer, layer_counts,
                                   shapes, tokenizer_vocab)
 from kdexp.distributed import launch
-from kdexp.losses.options import BalancerOptions, KDLossOptions, SampledKDOptions, check_intermediate
+from kdexp.losses.options import LOSS_NAMES, BalancerOptions, KDLossOptions, LossName, SampledKDOptions, \
+    check_intermediate, cuts
 from kdexp.rules import choice, fail, integer, number, text
 
 
@@ -119,7 +120,7 @@ def _check_teacher(cfg: Any, vocab: Optional[int]) -> None:
                                                    "teacher=cached (add it to teacher.temperatures)")
     if loss.samples is not None:  # a "sampled" cache of the draws: teacher.k_max and loss.top_k play no part
         return
-    if loss.top_k is None and (loss.top_p is None or float(loss.top_p) == 1.0):
+    if loss.top_k is None and not cuts(loss.top_p):
         fail("loss.top_k", None, f"must be set with teacher=cached unless loss.top_p cuts a nucleus: the cache holds "
                                  f"only the teacher's top-{tc.k_max} (teacher.k_max), so dense KD cannot be served; "
                                  f"set loss.top_k in [1, {tc.k_max}] or loss.top_p < 1, or use teacher=online")
@@ -167,57 +168,51 @@ def check_launch(cfg: Any) -> None:
                  "or torch on a CPU machine")
 
 
-# What each shipped loss option's name promises (conf/loss/<name>.yaml). A set of options that contradicts it is an
+# A shipped loss name is a promise (kdexp.losses.options.LOSS_NAMES): a set of options that contradicts it is an
 # error, rather than a name that follows the options: the name is what the user chose, what the report tables and
 # W&B group by, and a run named `dense` that truncates (or one named `topk` without a Top-K) is a wrong job whichever
 # name it gets; the error says which option gives that loss. A nucleus inside a Top-K keeps the name `topk` (the
-# Top-K bounds it; `loss.top_p=0.8,0.9` on the default is the cached-teacher sweep), and an option a user's own loss
-# file adds has no rule here.
-_LOSS_NAMES = {
-    # name: (keys that must be set, keys that must be null (top_p 1.0 cuts nothing), normalization or None)
-    "dense": ((), ("top_k", "top_p", "samples"), "full"),
-    "topk": (("top_k",), ("samples",), "full"),
-    "renorm_topk": (("top_k",), ("samples",), "renormalize"),
-    "top_p": (("top_p",), ("samples",), None),
-    "sampled": (("samples",), (), None),
-}
-
-
+# Top-K bounds it; `loss.top_p=0.8,0.9` on the default is the cached-teacher sweep), and a registered loss promises
+# nothing.
 def _loss_option(loss: Any) -> str:
     """The shipped loss option whose promise these options keep (the first that fits)."""
-    for name in ("sampled", "top_p", "renorm_topk", "topk", "dense"):
-        if _keeps_promise(loss, name) is None:
+    for name, promise in LOSS_NAMES.items():
+        if (promise.need or promise.unset) and _keeps_promise(loss, promise) is None:
             return name
     return "top_p"
 
 
-def _keeps_promise(loss: Any, name: str) -> Optional[str]:
-    """None when the options keep what loss=<name> promises, else the key that breaks it."""
-    need, none, normalization = _LOSS_NAMES[name]
+def _keeps_promise(loss: Any, promise: LossName) -> Optional[str]:
+    """None when the options keep what the loss name promises, else the key that breaks it."""
 
     def is_set(key: str) -> bool:
         value = getattr(loss, key)
-        return value is not None and not (key == "top_p" and float(value) == 1.0)
+        return cuts(value) if key == "top_p" else value is not None
 
-    for key in need:
+    for key in promise.need:
         if not is_set(key):
             return key
-    for key in none:
+    for key in promise.unset:
         if is_set(key):
             return key
-    if normalization is not None and loss.normalization != normalization:
+    if promise.normalization is not None and loss.normalization != promise.normalization:
         return "normalization"
     return None
 
 
 def _check_loss_name(loss: Any) -> None:
+    if loss.name not in LOSS_NAMES:
+        fail("loss.name", loss.name, f"must be one of {', '.join(LOSS_NAMES)} (conf/loss/<name>.yaml; a new loss "
+             "registers its name with kdexp.objective.register_loss)")
+
+
+def _check_loss_promise(loss: Any) -> None:
     name = loss.name
-    if name not in _LOSS_NAMES:
-        return
-    key = _keeps_promise(loss, name)
+    promise = LOSS_NAMES[name]
+    key = _keeps_promise(loss, promise)
     if key is not None:
         fits = _loss_option(loss)
-        undo = f"set loss.{key}" if key in _LOSS_NAMES[name][0] else f"leave loss.{key} at loss={name}'s value"
+        undo = f"set loss.{key}" if key in promise.need else f"leave loss.{key} at loss={name}'s value"
         fail(f"loss.{key}", getattr(loss, key), f"contradicts loss={name} (its name would no longer say what it "
              f"trains): these options make a loss={fits} loss; choose loss={fits} (with its options), or {undo}")
 
@@ -271,6 +266,7 @@ def validate(cfg: Any) -> None:
     line names the key, the value and what it must be."""
     unknown_keys(cfg)  # a +key the schema does not know (the command line's are refused before composing)
     unresolved(cfg)
+    _check_loss_name(cfg.loss)
     check_data(cfg)
     check_model(cfg)
     sizes = shapes(cfg)
@@ -288,7 +284,7 @@ def validate(cfg: Any) -> None:
     if not isinstance(cfg.loss.fused_head, bool) and cfg.loss.fused_head != "auto":
         fail("loss.fused_head", cfg.loss.fused_head, "must be auto, true or false")
     SampledKDOptions.from_config(cfg.loss).check(kd, prefix="loss.")
-    _check_loss_name(cfg.loss)
+    _check_loss_promise(cfg.loss)
     _check_intermediate(cfg)
     BalancerOptions.from_config(cfg.balancer).check(prefix="balancer.")
     _check_trainer(cfg.trainer, min(s[3] for s in sizes.values()))

@@ -222,6 +222,8 @@ def _joined(node: ast.AST, module: Any) -> Optional[str]:
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "join" and \
             isinstance(node.func.value, ast.Constant) and len(node.args) == 1 and isinstance(node.args[0], ast.Name):
         values = getattr(module, node.args[0].id, None)
+        if isinstance(values, dict):  # a table keyed by the allowed values (kdexp.losses.options.LOSS_NAMES)
+            values = tuple(values)
         if isinstance(values, tuple) and all(isinstance(v, str) for v in values):
             return node.func.value.value.join(values)
     return None

@@ -133,7 +133,7 @@ def _single_process_group(needed: bool):
         tdist.destroy_process_group()
 
 
-def prepare(data_cfg, *, seq_length: int, cache_dir=None, seed: int = 1234, train_samples: int,
+def prepare(data_cfg, *, seq_length: int, cache_dir=None, seed: int, train_samples: int,
             val_samples: int | None, tokenizer_path=None) -> DataBundle:
     """Build (or load from cache) the tokenizer and the train/validation GPTDatasets; see module doc.
 

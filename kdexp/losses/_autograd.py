@@ -19,10 +19,11 @@ from __future__ import annotations
 import torch
 
 from kdexp.losses import _native
-from kdexp.losses._chunks import (KDStats, KernelConfig, Labels, chunk_rows, compute_dtype, dense_chunks,
-                                  holds_gradient, log_softmax_, lse_, softmax_)
+from kdexp.losses._chunks import (KDStats, KernelConfig, Labels, compute_dtype, dense_chunks, holds_gradient,
+                                  log_softmax_, lse_, softmax_)
 from kdexp.losses._shard import Shard
 from kdexp.losses._sparse import SplitGrad, student_half, teacher_half
+from kdexp.losses.chunking import logit_rows, native_rows
 from kdexp.losses.divergence import dense_backward_, dense_forward_
 
 
@@ -35,7 +36,7 @@ class LogitsKD(torch.autograd.Function):
         n, vl = student.shape
         dev = student.device
         cd = compute_dtype(student)
-        rows = chunk_rows(n, shard.max_local_vocab, cd, cfg.chunk_tokens)
+        rows = logit_rows(n, shard.max_local_vocab, cd, cfg.chunk_tokens)
         dense = cfg.top_k is None and cfg.top_p is None
         loss = torch.empty(n, dtype=cd, device=dev)
         st = KDStats(*(torch.empty(n, dtype=cd, device=dev) for _ in KDStats._fields)) if stats is not None else None
@@ -78,9 +79,7 @@ class LogitsKD(torch.autograd.Function):
                     if ctx.needs_input_grad[0] and holds_gradient(cfg.top_p, shard.world, student.dtype) else None)
             if held is not None and teacher_side is not None and cfg.chunk_tokens is None and \
                     _native.serves(student, held):
-                # From a cache on the CPU kernel: no [rows, V] eager pass is left to keep in cache, so one chunk of
-                # up to 64 MiB of K-wide values runs the per-row glue once instead of once per chunk
-                rows = ctx.rows = max(1, min(n, max(rows, _native.CHUNK_BYTES // (16 * (cfg.top_k + 1)))))
+                rows = ctx.rows = native_rows(n, rows, cfg.top_k)  # from a cache on the CPU kernel
             buf = torch.empty(rows, vl + 1, dtype=cd, device=dev) if held is None else None
             chunks = []
             label = None if labels is None else Labels.make(labels, vl, shard, dev)

@@ -1,16 +1,17 @@
 """The chunk-kernel layer under the logit KD losses (private: kdexp.losses.logits, .cached and .sampled build on it).
 
 What every chunked logit loss needs, one rule each: the checked options of a call (`KernelConfig`, `make_cfg`) and
-its fused-LM labels (`check_labels`, `Labels`), the chunk height (`chunk_rows`), loading a chunk of raw logits into a
-compute-dtype buffer centred on the row max (`load_`, `dense_chunks`), masking the kept set out of it (`mask_at_`),
-the fused row kernels (`log_softmax_`, `softmax_`), the (masked) log-sum-exps across TP ranks (`lse_`,
-`masked_lse_`), the held-gradient rule (`holds_gradient`) and the per-token stats and return shape (`KDStats`,
-`shaped`). The names are public inside this private module: the loss modules import them from here, never from each
-other.
+its fused-LM labels (`check_labels`, `Labels`), loading a chunk of raw logits into a compute-dtype buffer centred on
+the row max (`load_`, `dense_chunks`), masking the kept set out of it (`mask_at_`), the fused row kernels
+(`log_softmax_`, `softmax_`), the (masked) log-sum-exps across TP ranks (`lse_`, `masked_lse_`), the held-gradient
+rule (`holds_gradient`) and the per-token stats and return shape (`KDStats`, `shaped`); the chunk heights are
+kdexp.losses.chunking's. The names are public inside this private module: the loss modules import them from here,
+never from each other.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -18,10 +19,9 @@ from typing import NamedTuple
 import torch
 
 from kdexp.losses._shard import Shard
-from kdexp.losses.options import KDLossOptions
+from kdexp.losses.options import KDLossOptions, cuts
 from kdexp.rules import is_int
 
-_MiB = 1 << 20
 
 
 def exp_floor(dtype: torch.dtype) -> float:
@@ -66,10 +66,20 @@ def check_int(name, value):
         raise ValueError(f"{name} must be an int, got {value!r}")
 
 
-def make_cfg(vocab: int, *, temperature, top_k, top_p, min_k, ghost_token, normalization, divergence, beta,
-             scale_by_temperature_squared, chunk_tokens) -> KernelConfig:
-    """The checked options of one loss call (vocab: the global vocabulary), as the chunk kernels read them; shared
-    with kdexp.losses.cached so that the online and cached losses cannot drift apart."""
+def make_cfg(vocab: int, **options) -> KernelConfig:
+    """The checked options of one loss call (vocab: the global vocabulary; options: the keywords of _checked_cfg), as
+    the chunk kernels read them; shared with kdexp.losses.cached so that the online and cached losses cannot drift
+    apart. The losses are public functions, so every call is checked; a trainer calls them once per chunk with one
+    run's options, so a checked set is remembered by value and type (a bool is not taken for an int) and the next
+    call with it costs a lookup. An unhashable option (a list) is checked without the memory, which refuses it."""
+    try:
+        return _remembered_cfg(vocab, **options)
+    except TypeError:  # unhashable: the check below names it
+        return _checked_cfg(vocab, **options)
+
+
+def _checked_cfg(vocab: int, *, temperature, top_k, top_p, min_k, ghost_token, normalization, divergence, beta,
+                 scale_by_temperature_squared, chunk_tokens) -> KernelConfig:
     opts = KDLossOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_k=min_k, ghost_token=ghost_token,
                          normalization=normalization, divergence=divergence, beta=beta,
                          scale_by_temperature_squared=scale_by_temperature_squared).check()
@@ -78,7 +88,7 @@ def make_cfg(vocab: int, *, temperature, top_k, top_p, min_k, ghost_token, norma
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1 or None, got {chunk_tokens}")
     opts.check_vocabulary(vocab)
-    if top_p is not None and float(top_p) == 1.0:
+    if not cuts(top_p):
         top_p = None  # cumsum(p) - p < 1 keeps everything in exact arithmetic; float rounding must not drop the tail
     if top_p is None:
         min_k = 1  # the floor only matters for a nucleus cut
@@ -88,6 +98,9 @@ def make_cfg(vocab: int, *, temperature, top_k, top_p, min_k, ghost_token, norma
         divergence=divergence, beta=float(beta),
         loss_scale=float(temperature) ** 2 if scale_by_temperature_squared else 1.0, chunk_tokens=chunk_tokens,
     )
+
+
+_remembered_cfg = functools.lru_cache(maxsize=64, typed=True)(_checked_cfg)
 
 
 def check_labels(labels, cfg: KernelConfig, student_logits: torch.Tensor):
@@ -149,21 +162,6 @@ def holds_gradient(top_p, tp_world: int, logits_dtype: torch.dtype) -> bool:
 
 def compute_dtype(student: torch.Tensor) -> torch.dtype:
     return torch.float64 if student.dtype == torch.float64 else torch.float32
-
-
-def chunk_rows(n: int, local_vocab: int, cdtype: torch.dtype, chunk_tokens: int | None = None) -> int:
-    """Tokens per chunk of a logit loss over `n` tokens: `chunk_tokens` if given, else a working set of at most ~1/16
-    of one [n, local_vocab + 1] compute-dtype tensor, between 4 and 64 MiB, in equal chunks. Under TP pass the
-    largest shard's local vocabulary (Shard.max_local_vocab), so that every rank cuts the same chunks (the losses
-    communicate per chunk). kdexp.plan sizes the loss by this rule."""
-    if n == 0:  # no tokens: no chunk (the loss is an empty per-token tensor, its gradient empty)
-        return 1
-    if chunk_tokens is not None:
-        return max(1, min(n, chunk_tokens))
-    row = (local_vocab + 1) * torch.finfo(cdtype).bits // 8
-    budget = min(64 * _MiB, max(4 * _MiB, n * row // 16))
-    rows = max(1, min(n, budget // row))
-    return -(-n // -(-n // rows))  # as many chunks, of equal height: no sliver of a last chunk (2 of 1,024 rows)
 
 
 def scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:

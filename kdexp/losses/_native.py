@@ -33,9 +33,6 @@ log = logging.getLogger("kdexp")
 SOURCE = Path(__file__).with_name("_native.c")
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared"]
 _state: dict = {}
-# The K-wide values (teacher log-probs, e, p, the record's slice) of one chunk on the kernel's path: ~4 float32
-# arrays of [rows, K + 1]; the kernel works a row at a time, so only these bound the chunk (see _autograd.LogitsKD).
-CHUNK_BYTES = 64 << 20
 
 
 def _cpu_flags() -> str:

@@ -28,9 +28,12 @@ from typing import NamedTuple, Sequence
 import torch
 
 from kdexp.losses._autograd import LogitsKD
-from kdexp.losses._chunks import (check_labels, chunk_rows, compute_dtype, load_, make_cfg, mask_at_, masked_lse_,
-                                  scaled, shaped)
+from kdexp.losses._chunks import (check_labels, compute_dtype, load_, make_cfg, mask_at_, masked_lse_, scaled,
+                                  shaped)
 from kdexp.losses._shard import Shard, check_ids
+from kdexp.losses.chunking import logit_rows
+from kdexp.losses.options import cuts
+from kdexp.rules import is_real
 
 __all__ = ["TeacherRecord", "teacher_topk_record", "cached_kd_loss"]
 
@@ -64,7 +67,7 @@ def teacher_topk_record(teacher_logits: torch.Tensor, k_max: int, temperatures: 
     raw = teacher_logits.reshape(-1, vl)
     n = raw.shape[0]
     cd = compute_dtype(raw)
-    rows = chunk_rows(n, shard.max_local_vocab, cd, chunk_tokens)
+    rows = logit_rows(n, shard.max_local_vocab, cd, chunk_tokens)
     values = torch.empty(n, k_max, dtype=cd, device=raw.device)
     indices = torch.empty(n, k_max, dtype=torch.long, device=raw.device)
     lse = torch.empty(n, len(temps), dtype=cd, device=raw.device)
@@ -121,7 +124,7 @@ def cached_kd_loss(
         if tuple(t.shape) != tuple(shape):
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} (student_logits "
                              f"{tuple(student_logits.shape)}, K_max {k_max})")
-    if top_k is None and (top_p is None or (isinstance(top_p, (int, float)) and float(top_p) == 1.0)):
+    if top_k is None and (top_p is None or is_real(top_p)) and not cuts(top_p):
         raise ValueError("top_k=None without a nucleus cut (top_p < 1) is invalid with a cached teacher: the cache "
                          f"holds only the teacher's top-{k_max}, so dense KD cannot be served; set top_k in "
                          f"[1, {k_max}] or top_p")

@@ -33,20 +33,10 @@ import torch
 import torch.distributed as dist
 
 from kdexp.losses._shard import Shard
+from kdexp.losses.chunking import accumulation_dtype, head_rows
 from kdexp.rules import is_int
 
 _MiB = 1 << 20
-# One chunk of logits is at most 1/CHUNK_FRACTION of the [tokens, V_local] compute-dtype logits, within
-# [MIN_CHUNK_BYTES, MAX_CHUNK_BYTES]. About three chunk-sized tensors are live at once (the student chunk, its
-# gradient, the online teacher's chunk), so the head's working set is at most ~3/20 of the full logits. Each chunk's
-# matmuls stream the whole output weight, so taller chunks are faster, and heights that are a multiple of
-# CHUNK_ALIGN rows run at the BLAS's full speed: on Qwen3-0.6B's head (kdexp.bench.head, 2-core CPU) 64 rows took
-# 1.24x the unfused time, 96 rows 1.14x (medians of 3 rounds), and a 98-row [V, H] x [H, c] matmul 1.2-1.3x as long
-# as a 96-row one.
-CHUNK_FRACTION = 20
-CHUNK_ALIGN = 16
-MIN_CHUNK_BYTES = 4 * _MiB
-MAX_CHUNK_BYTES = 256 * _MiB
 # loss.fused_head=auto (the default): the fused head wherever one micro-batch's float32 logits on a TP rank,
 # [tokens, V/tp], would take at least AUTO_MIN_LOGITS_BYTES. Above it the logits are what the head saves: at real
 # scale 1.16 GiB per model per GPU (docs/scale.md), at Qwen3's vocabulary from 111 tokens per rank on. Below it they
@@ -75,25 +65,6 @@ class HeadResult(NamedTuple):
     kd: torch.Tensor
     lm: torch.Tensor | None
     stats: tuple | None
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def head_chunk_rows(n: int, local_vocab: int, dtype: torch.dtype, chunk_tokens: int | None = None) -> int:
-    """Tokens per chunk: `chunk_tokens` if given, else the CHUNK_FRACTION rule above, as a multiple of CHUNK_ALIGN
-    (when the budget allows one) with as few chunks and as short a last chunk as that allows. Under TP pass the
-    largest shard's local_vocab so that every rank cuts the same chunks (the losses communicate per chunk)."""
-    if chunk_tokens is not None:
-        return max(1, min(n, chunk_tokens))
-    row = local_vocab * torch.finfo(_acc_dtype(dtype)).bits // 8
-    budget = min(MAX_CHUNK_BYTES, max(MIN_CHUNK_BYTES, n * row // CHUNK_FRACTION))
-    rows = max(1, min(n, budget // row))
-    align = CHUNK_ALIGN if CHUNK_ALIGN <= rows < n else 1
-    rows -= rows % align
-    even = -(-n // -(-n // rows))  # as many chunks, of equal height...
-    return -(-even // align) * align  # ...rounded up to the alignment (never above rows)
 
 
 def uses_fused_head(setting, tokens: int, local_vocab: int) -> bool:
@@ -131,7 +102,7 @@ def fused_head_loss(hidden: torch.Tensor, weight: torch.Tensor, loss_fn: Callabl
     hidden [n, H] (the full token set of this rank), weight [V_local, H] (this rank's vocabulary shard; tied
     embedding allowed), token_weight [n] (mask / denom). loss_fn(z [c, V_local], rows) -> ChunkLoss, with z in the
     weight's dtype. coefficients: (w_kd, w_lm) when total = w_kd * kd + w_lm * lm (gradients in the forward pass);
-    None: recompute in backward. chunk_tokens: tokens per chunk (default: head_chunk_rows). vocab_size (optional,
+    None: recompute in backward. chunk_tokens: tokens per chunk (default: kdexp.losses.chunking.head_rows). vocab_size (optional,
     the padded global vocabulary): checked against weight's rows times the TP size of tp_group; tp_group is used
     for that check and to agree on the chunk size, never for the hidden-state gradient (see tp_copy).
     """
@@ -158,7 +129,7 @@ def fused_head_loss(hidden: torch.Tensor, weight: torch.Tensor, loss_fn: Callabl
             raise ValueError(f"weight has {weight.shape[0]} rows, but vocab_size {vocab_size} over a TP size of "
                              f"{shard.world} needs {vocab_size / shard.world:g} rows per rank (megatron pads the "
                              "vocabulary to a multiple of the TP size)")
-    rows = head_chunk_rows(n, shard.max_local_vocab, weight.dtype, chunk_tokens)
+    rows = head_rows(n, shard.max_local_vocab, weight.dtype, chunk_tokens)
     side: dict = {}
     kd, lm, stats = _FusedHead.apply(hidden, weight, token_weight.detach(), loss_fn, coefficients, rows, side)
     return HeadResult(kd, lm if side["has_lm"] else None, _unpack_stats(stats, side["stat_type"], side["stat_fields"]))
@@ -233,7 +204,7 @@ class _Grads:
     def __init__(self, hidden, weight, need_h: bool, need_w: bool):
         self.weight_dtype = weight.dtype
         self.h = torch.empty_like(hidden) if need_h else None
-        self.w = torch.zeros(weight.shape, dtype=_acc_dtype(weight.dtype), device=weight.device) if need_w else None
+        self.w = torch.zeros(weight.shape, dtype=accumulation_dtype(weight.dtype), device=weight.device) if need_w else None
 
     def add(self, r: slice, gz: torch.Tensor, hidden_c: torch.Tensor, weight: torch.Tensor) -> None:
         if self.h is not None:
@@ -253,7 +224,7 @@ class _FusedHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, token_weight, loss_fn, coefficients, rows, side):
         n = hidden.shape[0]
-        acc = _acc_dtype(weight.dtype)
+        acc = accumulation_dtype(weight.dtype)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         eager = coefficients is not None and (need_h or need_w)
         grads = _Grads(hidden, weight, need_h, need_w) if eager else None
@@ -304,7 +275,7 @@ class _FusedHead(torch.autograd.Function):
                 return (_scaled_(gh, scale), _scaled_(gw, scale), None, None, None, None, None)
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grads = _Grads(hidden, weight, need_h, need_w)
-        acc = _acc_dtype(weight.dtype)
+        acc = accumulation_dtype(weight.dtype)
         for r in _chunks(hidden.shape[0], ctx.rows):
             h = hidden[r]
             tw = token_weight[r].to(acc)

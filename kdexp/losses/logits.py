@@ -15,7 +15,8 @@
     behaviour), which cannot be combined with a ghost bucket.
 
 How it is computed (chunk by chunk over tokens; the [tokens, vocab] float32 copies never exist whole) lives in the
-private chunk-kernel layer: kdexp.losses._chunks (chunk sizing, centred loads, log-sum-exps, labels),
+private chunk-kernel layer: kdexp.losses._chunks (centred loads, log-sum-exps, labels; the chunk heights are
+kdexp.losses.chunking's),
 kdexp.losses._sparse (the teacher and student halves of a Top-K / Top-P chunk, the residual mass and the gradient
 formulas) and kdexp.losses._autograd (the autograd Function, dense and sparse, with the held-gradient path).
 kdexp.losses.cached is the same loss with the teacher half read from a cache record.
@@ -26,12 +27,13 @@ from __future__ import annotations
 import torch
 
 from kdexp.losses._autograd import LogitsKD
-from kdexp.losses._chunks import KDStats, chunk_rows, check_labels, holds_gradient, make_cfg, shaped
+from kdexp.losses._chunks import KDStats, check_labels, holds_gradient, make_cfg, shaped
 from kdexp.losses._shard import Shard
 from kdexp.losses._sparse import TOP_P_INITIAL_K
 
-# What callers outside the losses use: the loss, its stats, and the rules kdexp.plan sizes it by.
-__all__ = ["logits_kd_loss", "KDStats", "chunk_rows", "holds_gradient", "TOP_P_INITIAL_K"]
+# What callers outside the losses use: the loss, its stats, and the rules kdexp.plan sizes it by (its chunk heights:
+# kdexp.losses.chunking).
+__all__ = ["logits_kd_loss", "KDStats", "holds_gradient", "TOP_P_INITIAL_K"]
 
 
 def _check_tensors(student, teacher):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from kdexp.rules import fail, is_int as _is_int, is_real as _is_real
 
@@ -34,6 +34,42 @@ INTERMEDIATE_KINDS = ("cosine", "mse")  # kdexp.losses.intermediate implements t
 def _yaml(x) -> str:
     """A value as the user types it on the command line (null, true/false, 'text', numbers)."""
     return "null" if x is None else str(x).lower() if isinstance(x, bool) else repr(x)
+
+
+class LossName(NamedTuple):
+    """What `loss=<name>` (conf/loss/<name>.yaml, `name: <name>`) stands for: the objective's term family
+    (kdexp.objective.terms.LOSSES; loss.samples set always selects "sampled") and what the name promises of the
+    options. A set of options that breaks the promise is refused by kdexp.config.validate rather than run under a
+    name that no longer says what it trains (a registered loss promises nothing)."""
+
+    family: str
+    need: tuple[str, ...] = ()  # keys that must be set
+    unset: tuple[str, ...] = ()  # keys that must be null (a top_p that cuts nothing counts as null)
+    normalization: Optional[str] = None  # the normalization it needs; None: any
+
+
+# The one table of loss names: the schema's default (kdexp.config.LossConfig.name) is one of them, validate() refuses
+# any other name before anything is built, --help lists them, the objective maps each to its term family, and
+# kdexp.objective.register_loss adds a new loss here. In the order a set of options is matched to the name whose
+# promise it keeps (the most specific first).
+LOSS_NAMES: dict[str, LossName] = {
+    "sampled": LossName("logit", need=("samples",)),
+    "top_p": LossName("logit", need=("top_p",), unset=("samples",)),
+    "renorm_topk": LossName("logit", need=("top_k",), unset=("samples",), normalization="renormalize"),
+    "topk": LossName("logit", need=("top_k",), unset=("samples",), normalization="full"),
+    "dense": LossName("logit", unset=("top_k", "top_p", "samples"), normalization="full"),
+}
+
+
+def register_loss_name(name: str, family: str) -> None:
+    """A new loss's name (kdexp.objective.register_loss calls this): accepted by validate(), promising nothing."""
+    LOSS_NAMES[name] = LossName(family)
+
+
+def cuts(top_p: Optional[float]) -> bool:
+    """Whether a top_p cuts a nucleus: None or 1.0 keeps every candidate (the one rule; the kernels, the config
+    checks and the plan ask it)."""
+    return top_p is not None and float(top_p) != 1.0
 
 
 @dataclass
@@ -62,7 +98,7 @@ class KDLossOptions:
     @property
     def dense(self) -> bool:
         """The whole vocabulary, no cut (top_p 1.0 cuts nothing): the dense loss."""
-        return self.top_k is None and (self.top_p is None or float(self.top_p) == 1.0)
+        return self.top_k is None and not cuts(self.top_p)
 
     def fuses_lm(self, sampled: bool = False) -> bool:
         """Whether this KD loss can compute the LM cross-entropy in its own pass over the student's vocabulary

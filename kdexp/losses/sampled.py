@@ -43,10 +43,10 @@ import torch
 from kdexp.losses import _native
 from kdexp.losses._chunks import Labels, check_label_shape, load_, lse_
 from kdexp.losses._shard import Shard, check_ids
+from kdexp.losses.chunking import sampled_rows
 from kdexp.losses.options import KDLossOptions
 from kdexp.rules import is_real
 
-_CHUNK_BYTES = 64 << 20  # scratch per chunk of rows (float64 cumsum when sampling, float32 softmax in backward)
 
 
 class TokenSamples(NamedTuple):
@@ -65,10 +65,6 @@ def step_seed(seed: int, step: int, dp_rank: int = 0) -> int:
     x &= (1 << 64) - 1
     x ^= x >> 31
     return x & ((1 << 63) - 1)
-
-
-def _rows(per_row_bytes: int, n: int) -> int:
-    return max(1, min(n, _CHUNK_BYTES // max(1, per_row_bytes)))
 
 
 def _compact(ids: torch.Tensor):
@@ -137,7 +133,7 @@ def draw_teacher(teacher_logits, *, samples: int, proposal_temperature: float = 
     logit_all = torch.empty(n, samples, dtype=torch.float64, device=device)
     log_zq_all = torch.empty(n, dtype=torch.float64, device=device)
     log_zp_all = torch.empty(n, len(temps), dtype=torch.float64, device=device)
-    rows = _rows(vl * 8 * 3, n)
+    rows = sampled_rows(n, vl * 8 * 3)
     # The proposal's terms exp((t - m) / T_q) in float32 (float64 for float64 logits): elementwise, so identical on
     # every TP size; their running sum in float64, so that tail probabilities far below float32's epsilon stay exact.
     wdtype = torch.float64 if dtype == torch.float64 else torch.float32
@@ -249,7 +245,7 @@ class _SparseCE(torch.autograd.Function):
         w2 = weights.reshape(n, ids.shape[-1]).to(cdtype)
         lidx, owned = shard.local_index(ids2)
         gather_idx = lidx if owned is None else lidx.clamp(max=vl - 1)
-        rows = _rows((vl + 1) * torch.finfo(cdtype).bits // 8, n)
+        rows = sampled_rows(n, (vl + 1) * torch.finfo(cdtype).bits // 8)
         label = None if labels is None else Labels.make(labels, vl, shard, z.device)
         lm = None if labels is None else torch.zeros(n, dtype=cdtype, device=z.device)
         native = shard.world == 1 and _native.serves(z2, sampled=True)

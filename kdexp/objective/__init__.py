@@ -5,8 +5,8 @@ The rooms:
 - ``sources``: where the teacher's side of a batch comes from (``TEACHERS``: the online teacher model, an offline
   cache) and a model's output as the objective reads it (``ModelOut``, ``forward``).
 - ``terms``: the KD term interface (``KDTerm``), one term per loss family x teacher kind, and the registry
-  (``LOSSES``, ``FAMILIES``, ``register_loss``) that maps a config to one. Nothing outside these tables branches on
-  the loss or the teacher kind.
+  (``LOSSES``, ``register_loss``; the loss names are kdexp.losses.options.LOSS_NAMES) that maps a config to one.
+  Nothing outside these tables branches on the loss or the teacher kind.
 - ``tokens``: per-token quantities (the one cross-entropy, token normalisation, hidden-state losses, eval metrics).
 
 The objective owns the output layer: with the fused head (``loss.fused_head``, the rule in
@@ -24,9 +24,10 @@ import torch
 
 from kdexp import distributed
 from kdexp.losses import BalancerOptions
-from kdexp.losses.head import ChunkLoss, fused_head_loss, head_chunk_rows, uses_fused_head
+from kdexp.losses.chunking import head_rows
+from kdexp.losses.head import ChunkLoss, fused_head_loss, uses_fused_head
 from kdexp.objective.sources import TEACHERS, CachedTeacher, ModelOut, OnlineTeacher, forward
-from kdexp.objective.terms import FAMILIES, LOSSES, CachedLogitTerm, CachedSampledTerm, KDTerm, LogitTerm, \
+from kdexp.objective.terms import LOSSES, CachedLogitTerm, LossOptions, CachedSampledTerm, KDTerm, LogitTerm, \
     SampledTerm, TermStats, family, register_loss, term
 from kdexp.objective.tokens import INTERMEDIATE_ATTR, attach_intermediate, cross_entropy, full_kl, \
     intermediate_layers, intermediate_loss, lm_loss, masked_mean, token_share, top1_agreement, vocab_parallel_argmax
@@ -34,7 +35,7 @@ from kdexp.objective.tokens import INTERMEDIATE_ATTR, attach_intermediate, cross
 __all__ = [
     "Objective", "ObjectiveResult", "build", "build_balancer", "ChunkLoss",
     "TEACHERS", "CachedTeacher", "ModelOut", "OnlineTeacher", "forward",
-    "FAMILIES", "LOSSES", "CachedLogitTerm", "CachedSampledTerm", "KDTerm", "LogitTerm", "SampledTerm", "TermStats",
+    "LOSSES", "LossOptions", "CachedLogitTerm", "CachedSampledTerm", "KDTerm", "LogitTerm", "SampledTerm", "TermStats",
     "family", "register_loss", "term",
     "INTERMEDIATE_ATTR", "attach_intermediate", "cross_entropy", "full_kl", "intermediate_layers",
     "intermediate_loss", "lm_loss", "masked_mean", "token_share", "top1_agreement", "vocab_parallel_argmax",
@@ -148,7 +149,7 @@ def _eval_chunks(loss_fn, out: ModelOut, token_weight) -> tuple:
     rule, the same on every TP rank)."""
     kd = lm = top1 = torch.zeros((), device=token_weight.device)
     n = out.tokens
-    rows_per = head_chunk_rows(n, out.weight.shape[0], out.weight.dtype)
+    rows_per = head_rows(n, out.weight.shape[0], out.weight.dtype)
     for lo in range(0, n, rows_per):
         rows = slice(lo, min(n, lo + rows_per))
         z = out.chunk_logits(rows)
@@ -175,9 +176,10 @@ def build(cfg, data, teacher_model, balancer, *, identify_teacher: Optional[Call
     fused = uses_fused_head(loss_cfg.fused_head, int(cfg.trainer.micro_batch_size) * int(cfg.trainer.seq_length),
                             -(-vocab // int(cfg.parallel.tensor)))
     s_layers, t_layers = intermediate_layers(loss_cfg)
-    source = TEACHERS[cfg.teacher.name](cfg, data, teacher_model, fused=fused, layers=t_layers,
+    loss = LossOptions.parse(loss_cfg)  # the one parse of the loss options in a run
+    source = TEACHERS[cfg.teacher.name](cfg, data, teacher_model, fused=fused, layers=t_layers, opts=loss.kd,
                                          identify=identify_teacher)
-    kd_term = term(loss_cfg, source)
+    kd_term = term(loss, source)
     coefficients = getattr(balancer, "coefficients", None) if not s_layers else None
     return Objective(loss_cfg, source, kd_term, fused=fused, fuses_lm=bool(getattr(kd_term, "fuses_lm", False)),
                      coefficients=coefficients, eval_teacher=OnlineTeacher(teacher_model, fused=fused),

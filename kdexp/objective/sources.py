@@ -5,9 +5,10 @@
   outputs the hidden-state losses read and, for a cached teacher, the cache keys.
 - ``forward``: a model's forward into a ModelOut.
 - ``TEACHERS``: teacher.name -> the teacher source: "online" (the frozen teacher model runs on the batch) or
-  "cached" (an offline teacher cache, kdexp.teacher, built or verified when the source is made). A factory is called
-  ``(cfg, data, teacher_model, fused=, layers=, identify=)``; ``identify()`` returns what names the teacher's weights
-  (the cache's key), asked only by a source that needs it.
+  "cached" (an offline teacher cache, kdexp.teacher, built or verified when the source is made), each made once per
+  run: a factory is called ``(cfg, data, teacher_model, fused=, layers=, opts=, identify=)`` with the run's parsed
+  loss options; ``identify()`` returns what names the teacher's weights (the cache's key), asked only by a source
+  that needs it.
 """
 from __future__ import annotations
 
@@ -119,16 +120,18 @@ class CachedTeacher:
         return ModelOut(sample_index=batch["sample_index"])
 
 
-def _online(cfg, data, model, *, fused: bool, layers=(), identify: Optional[Callable[[], dict]] = None):
+def _online(cfg, data, model, *, fused: bool, layers=(), opts: KDLossOptions,
+            identify: Optional[Callable[[], dict]] = None):
     return OnlineTeacher(model, fused=fused, layers=layers)
 
 
-def _cached(cfg, data, model, *, fused: bool, layers=(), identify: Optional[Callable[[], dict]] = None):
+def _cached(cfg, data, model, *, fused: bool, layers=(), opts: KDLossOptions,
+            identify: Optional[Callable[[], dict]] = None):
+    """`opts`: the run's loss options, parsed once (kdexp.objective.build); `identify`: the teacher's identity."""
     if identify is None:
         raise ValueError("teacher.name=cached: the cache is keyed by the teacher's identity, and none was handed in "
                          "(kdexp.objective.build's identify_teacher)")
     cache = ensure(cfg, data, model, identify())  # one teacher pass into the cache (skipped when it exists)
-    opts = KDLossOptions.from_config(cfg.loss)
     if cache.layout.record == "topk" and opts.top_k is None and not opts.dense:  # a nucleus served from top-K_max
         started = time.perf_counter()
         try:

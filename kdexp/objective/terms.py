@@ -1,10 +1,13 @@
 """The KD terms: one per loss family x teacher kind, the interface they meet (``KDTerm``) and the registry that maps
 a run's config to one.
 
-- ``LOSSES``: (family, teacher kind) -> a factory called once per run with (loss_cfg, teacher source), returning a
-  KDTerm (options parsed there, once).
-- ``FAMILIES``: loss.name -> family: "logit" for the shipped logit losses ("sampled" whenever loss.samples is set);
-  a new loss registers its own name with ``register_loss`` (docs/extending.md).
+- ``LossOptions``: the loss config parsed and checked once per run (``kdexp.objective.build``), handed to the term
+  factory and the teacher source; the terms keep what they need of it.
+- ``LOSSES``: (family, teacher kind) -> a factory called once per run with (LossOptions, teacher source), returning a
+  KDTerm.
+- loss.name -> family: the one table of loss names, kdexp.losses.options.LOSS_NAMES ("logit" for the shipped logit
+  losses; "sampled" whenever loss.samples is set); a new loss registers its own name with ``register_loss``
+  (docs/extending.md).
 """
 from __future__ import annotations
 
@@ -16,8 +19,24 @@ from kdexp import distributed
 from kdexp.losses import KDLossOptions, SampledKDOptions, cached_kd_loss, logits_kd_loss, sample_teacher, \
     sampled_kd_loss, weigh
 from kdexp.losses.head import ChunkLoss
+from kdexp.losses.options import LOSS_NAMES, register_loss_name
 from kdexp.losses.sampled import unique_mass
 from kdexp.objective.sources import ModelOut
+
+
+class LossOptions(NamedTuple):
+    """The run's loss config parsed once (kdexp.objective.build): ``cfg`` the loss node (a registered loss reads its
+    own keys there), ``kd`` and ``sampled`` its logit-loss and sampled-KD options, checked (a direct caller of build
+    that skipped kdexp.config.validate gets the same one-line errors)."""
+
+    cfg: Any
+    kd: KDLossOptions
+    sampled: SampledKDOptions
+
+    @classmethod
+    def parse(cls, loss_cfg) -> "LossOptions":
+        kd = KDLossOptions.from_config(loss_cfg).check(prefix="loss.")
+        return cls(loss_cfg, kd, SampledKDOptions.from_config(loss_cfg).check(kd, prefix="loss."))
 
 
 class TermStats(NamedTuple):
@@ -146,40 +165,38 @@ def _check_record(cache, want: str, sampled: SampledKDOptions):
 
 
 LOSSES: dict[tuple[str, str], Callable] = {
-    ("logit", "online"): lambda c, t: LogitTerm(KDLossOptions.from_config(c)),
-    ("logit", "cached"): lambda c, t: CachedLogitTerm(
-        KDLossOptions.from_config(c), _check_record(t.cache, "topk", SampledKDOptions.from_config(c))),
-    ("sampled", "online"): lambda c, t: SampledTerm(KDLossOptions.from_config(c), SampledKDOptions.from_config(c)),
-    ("sampled", "cached"): lambda c, t: CachedSampledTerm(
-        KDLossOptions.from_config(c), SampledKDOptions.from_config(c),
-        _check_record(t.cache, "sampled", SampledKDOptions.from_config(c))),
+    ("logit", "online"): lambda o, t: LogitTerm(o.kd),
+    ("logit", "cached"): lambda o, t: CachedLogitTerm(o.kd, _check_record(t.cache, "topk", o.sampled)),
+    ("sampled", "online"): lambda o, t: SampledTerm(o.kd, o.sampled),
+    ("sampled", "cached"): lambda o, t: CachedSampledTerm(o.kd, o.sampled, _check_record(t.cache, "sampled", o.sampled)),
 }
-FAMILIES: dict[str, str] = {"dense": "logit", "topk": "logit", "top_p": "logit", "renorm_topk": "logit",
-                            "sampled": "logit"}
 
 
 def register_loss(name: str, factory: Callable, teachers=("online",)) -> None:
-    """Register a loss: conf/loss/<name>.yaml sets `name: <name>`; `factory(loss_cfg, teacher_source)` returns its
-    KDTerm. `teachers`: the teacher kinds it serves ("online", "cached")."""
-    FAMILIES[name] = name
+    """Register a loss: conf/loss/<name>.yaml sets `name: <name>`; `factory(loss, teacher_source)` returns its
+    KDTerm (`loss`: the run's LossOptions, `loss.cfg` its config node). `teachers`: the teacher kinds it serves ("online", "cached"). The name joins the one table of loss names
+    (kdexp.losses.options.LOSS_NAMES), so that the config checks accept it."""
+    register_loss_name(name, family=name)
     for kind in teachers:
         LOSSES[(name, kind)] = factory
 
 
-def family(loss_cfg) -> str:
-    if SampledKDOptions.from_config(loss_cfg).enabled:
+def family(loss: LossOptions) -> str:
+    if loss.sampled.enabled:
         return "sampled"
-    if loss_cfg.name not in FAMILIES:
-        raise ValueError(f"loss.name={loss_cfg.name!r} is invalid: must be a registered loss, one of "
-                         f"{', '.join(sorted(FAMILIES))} (kdexp.objective.register_loss)")
-    return FAMILIES[loss_cfg.name]
+    name = loss.cfg.name
+    if name not in LOSS_NAMES:
+        raise ValueError(f"loss.name={name!r} is invalid: must be a registered loss, one of "
+                         f"{', '.join(LOSS_NAMES)} (kdexp.objective.register_loss)")
+    return LOSS_NAMES[name].family
 
 
-def term(loss_cfg, source) -> KDTerm:
-    """The run's KD term for its loss config and teacher source (a ValueError naming the kinds a loss serves)."""
-    fam = family(loss_cfg)
+def term(loss: LossOptions, source) -> KDTerm:
+    """The run's KD term for its parsed loss options and teacher source (a ValueError naming the kinds a loss
+    serves)."""
+    fam = family(loss)
     key = (fam, source.kind)
     if key not in LOSSES:
-        raise ValueError(f"loss.name={loss_cfg.name!r} is invalid with teacher={source.kind}: the loss serves "
+        raise ValueError(f"loss.name={loss.cfg.name!r} is invalid with teacher={source.kind}: the loss serves "
                          f"teacher(s) {sorted(k for f, k in LOSSES if f == fam)}")
-    return LOSSES[key](loss_cfg, source)
+    return LOSSES[key](loss, source)

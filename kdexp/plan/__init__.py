@@ -47,14 +47,14 @@ class Plan:
     recompute: str
     sequence_parallel: bool
     distributed_optimizer: bool
+    peak_tflops: float  # trainer.gpu_peak_tflops
+    gpu_memory_gb: Optional[float]  # trainer.gpu_memory_gb
+    attention: str  # model.attention
     items: list = field(default_factory=list)  # (name, bytes, note), the allocated peak's parts
     peak: float = 0.0
     reserve: float = 0.0
     flops: dict = field(default_factory=dict)  # per token
     mfu: float = DEFAULT_MFU
-    peak_tflops: float = 989.0
-    gpu_memory_gb: Optional[float] = None
-    attention: str = "sdpa"  # model.attention
 
     @property
     def needs(self) -> float:
@@ -92,7 +92,7 @@ def _spec(cfg, role: str):
 
 def _precision(cfg) -> tuple[str, int, int, int]:
     """(name, weight/activation bytes, gradient bytes, optimizer bytes per parameter)."""
-    precision = getattr(cfg.trainer, "precision", "fp32")
+    precision = cfg.trainer.precision
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"trainer.precision={precision!r} is invalid: must be one of fp32, bf16")
     if precision == "bf16":
@@ -103,12 +103,12 @@ def _precision(cfg) -> tuple[str, int, int, int]:
 
 
 def _chunk_rows(tokens: int, local_vocab: int) -> int:
-    """The KD loss's chunk height, from its own rule (kdexp.losses.logits.chunk_rows)."""
+    """The KD loss's chunk height, from its own rule (kdexp.losses.chunking.logit_rows)."""
     import torch
 
-    from kdexp.losses.logits import chunk_rows
+    from kdexp.losses.chunking import logit_rows
 
-    return chunk_rows(tokens, local_vocab, torch.float32)
+    return logit_rows(tokens, local_vocab, torch.float32)
 
 
 def _cache_layout(cfg, vocab: int):
@@ -128,7 +128,7 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     import torch
 
     from kdexp.losses.logits import TOP_P_INITIAL_K, holds_gradient
-    from kdexp.losses.options import SampledKDOptions
+    from kdexp.losses.options import SampledKDOptions, cuts
     from kdexp.models import check_tp
 
     t, par = cfg.trainer, cfg.parallel
@@ -140,9 +140,8 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     teacher, student = _spec(cfg, "teacher"), _spec(cfg, "student")
     check_tp(teacher, tp)
     check_tp(student, tp)
-    recompute = getattr(t, "recompute", "none")
-    attention = getattr(cfg.model, "attention", "sdpa")
-    sp = bool(getattr(par, "sequence", False)) and tp > 1
+    recompute, attention = t.recompute, cfg.model.attention
+    sp = bool(par.sequence) and tp > 1
     name, e, grad_b, opt_b = _precision(cfg)
     distopt = bool(t.distributed_optimizer)  # megatron's ZeRO-1: optimizer state split over DP
     micro, seq = int(t.micro_batch_size), int(t.seq_length)
@@ -182,7 +181,8 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     # more and has no fp32 copy or gradient of its own.
     fused = KDLossOptions.from_config(cfg.loss).fuses_lm(sampled=SampledKDOptions.from_config(cfg.loss).enabled)
     needs_lm = BalancerOptions.from_config(cfg.balancer).build().needs_lm_loss and not fused
-    top_k, top_p = cfg.loss.top_k, cfg.loss.top_p
+    top_k = cfg.loss.top_k
+    top_p = cfg.loss.top_p if cuts(cfg.loss.top_p) else None  # 1.0 cuts nothing: the loss runs without a cut
     kd_saved = sizing.kd_saved_per_token(top_k, top_p, TOP_P_INITIAL_K, fused_lm=fused)
     layout = _cache_layout(cfg, student.vocab_size)  # teacher=cached: no teacher forward in the train step
     logits_dtype = torch.float32 if e == 4 else torch.bfloat16
@@ -193,10 +193,11 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
                                  cache_record=None if layout is None else layout.decoded_bytes_per_token(),
                                  held=top_k is not None and holds_gradient(top_p, tp, logits_dtype))
     shape = f"[{tokens}, {vocab}]"
-    from kdexp.losses.head import head_chunk_rows, uses_fused_head
+    from kdexp.losses.chunking import head_rows
+    from kdexp.losses.head import uses_fused_head
 
     if uses_fused_head(cfg.loss.fused_head, tokens, vocab):  # the logits exist one chunk of tokens at a time
-        rows = head_chunk_rows(tokens, vocab, logits_dtype)
+        rows = head_rows(tokens, vocab, logits_dtype)
         chunk = sizing.logits_bytes(rows, vocab, e, needs_lm=needs_lm, kd_saved=kd_saved,
                                     chunk_rows=min(rows, _chunk_rows(rows, vocab)),
                                     kept=0 if top_k is None and top_p is None else (top_k or TOP_P_INITIAL_K),

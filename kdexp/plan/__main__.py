@@ -40,7 +40,7 @@ def _check(cfg) -> None:
     t = cfg.trainer
     for key in ("micro_batch_size", "seq_length"):
         integer(f"trainer.{key}", getattr(t, key), ge=1)
-    integer("trainer.global_batch_size", getattr(t, "global_batch_size", None), ge=1, none_ok=True)
+    integer("trainer.global_batch_size", t.global_batch_size, ge=1, none_ok=True)
     integer("parallel.tensor", cfg.parallel.tensor, ge=1)
 
 

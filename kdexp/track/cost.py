@@ -60,7 +60,7 @@ def tokens_per_step(cfg: Any, world_size: int) -> int:
     from kdexp.config.checks import accumulation_steps
 
     t, par = cfg.trainer, cfg.parallel
-    dp = max(1, world_size // (int(par.tensor) * int(getattr(par, "pipeline", 1) or 1)))
+    dp = max(1, world_size // (int(par.tensor) * int(par.pipeline)))
     micro = int(t.micro_batch_size)
     return accumulation_steps(t.global_batch_size, micro, dp) * micro * dp * int(t.seq_length)
 

@@ -6,6 +6,8 @@ temp file then renamed, metrics.jsonl drops a half-written line, a checkpoint st
 - `disk_fault(exc)` finds such an OSError anywhere in an exception's chain (torch.save turns ENOSPC into a
   RuntimeError "unexpected pos" whose context is the OSError);
 - `one_line(exc)`: that line for an exception (a sweep records it as the point's error and prints it: kdexp.track);
+- `ending(exc)`: the one decision of how a single run that raised `exc` ends (exit status, one line or a traceback,
+  what its error.log gets), read by kdexp.run and kdexp.train's run_point;
 - `writing(path)` names the path on an OSError that has none (a failed ``write()`` carries no file name);
 - `WritableDirs`, a Hydra callback, tries the run (or sweep) directory before Hydra creates it and writes its config
   there: a read-only directory, a directory that cannot be created or a disk that cannot take 64 KiB stops the run
@@ -22,9 +24,11 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 from hydra.experimental.callback import Callback
+
+from kdexp.rules import ConfigError
 
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
 PROBE_BYTES = 64 * 1024  # what .hydra/, run.log and the first records need before the first checkpoint
@@ -52,6 +56,39 @@ def describe(err: OSError, path: Any = None) -> str:
     where = err.filename if err.filename is not None else path
     code = errno.errorcode.get(err.errno, str(err.errno))
     return f"cannot write {where if where is not None else '<unknown path>'}: {os.strerror(err.errno)} ({code})"
+
+
+def is_diverged(err: BaseException) -> bool:
+    """kdexp.train's ``Diverged`` (a RuntimeError subclass), matched by class name so that kdexp.run needs no import
+    of the training code before the config is known good (and works where that class does not exist)."""
+    return isinstance(err, RuntimeError) and any(c.__name__ == "Diverged" for c in type(err).__mro__)
+
+
+class Ending(NamedTuple):
+    """How a single run that raised ends. ``code``: the exit status; ``line``: printed on stderr instead of a
+    traceback (None: the traceback, Hydra prints it); ``traceback_as``: the heading under which run_point records the
+    traceback in run.log and error.log (None: no traceback there); ``error_log``: what kdexp.run writes there instead
+    (None: nothing)."""
+
+    code: int
+    line: Optional[str]
+    traceback_as: Optional[str]
+    error_log: Optional[str]
+
+
+def ending(exc: BaseException) -> Ending:
+    """Which errors end a single run with one line, decided once: a config error that only the data or the teacher
+    cache shows (``kdexp.rules.ConfigError``: exit 2), a divergence (exit 1; summary.json and the traceback say
+    where), a disk fault anywhere in the chain (exit 1, the path and the cause). Anything else is a traceback, exit 1.
+    In a sweep every exception goes to the sweep callback instead (kdexp.track.sweep)."""
+    if isinstance(exc, ConfigError):
+        return Ending(2, f"kdexp: error: {exc}", None, f"config error: {exc}\n")
+    if is_diverged(exc):
+        return Ending(1, f"kdexp: {exc}", "run diverged", None)
+    line = one_line(exc)
+    if line is not None:
+        return Ending(1, f"kdexp: error: {line}", None, None)
+    return Ending(1, None, "run failed", None)
 
 
 def one_line(exc: Optional[BaseException]) -> Optional[str]:

@@ -24,7 +24,6 @@ from hydra.types import RunMode
 
 from kdexp import distributed
 from kdexp.config import config_hash
-from kdexp.rules import ConfigError
 from kdexp.track import faults, records, rundir, sweep
 from kdexp.train.errors import Diverged
 from kdexp.track.cost import run_cost
@@ -67,11 +66,9 @@ def run_point(cfg, *, flops_per_token: Callable[[Any], dict]) -> dict:
     try:
         return _run_point(cfg, run_dir, multirun, overrides, hc, flops_per_token)
     except Exception as exc:
-        # a disk fault or a config error is one line (kdexp.run), not a traceback
-        if not multirun and sweep.global_rank() == 0 and faults.disk_fault(exc) is None and \
-                not isinstance(exc, ConfigError):
-            what = "run diverged" if isinstance(exc, Diverged) else "run failed"
-            records.write_error(run_dir, what, traceback.format_exc())
+        heading = faults.ending(exc).traceback_as  # a disk fault or a config error is one line (kdexp.run)
+        if not multirun and sweep.global_rank() == 0 and heading is not None:
+            records.write_error(run_dir, heading, traceback.format_exc())
         raise
 
 

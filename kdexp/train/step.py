@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -187,39 +187,57 @@ def apply_update(opt: torch.optim.Optimizer, apply: bool) -> None:
         opt.zero_grad(set_to_none=True)
 
 
+def optimizer_step(model, optimizer, forward_backward: Callable[[], dict], *, grad_clip: float,
+                   guard: NonFiniteGuard, done: int, metrics=None, checkpoint=None) -> tuple[dict, bool]:
+    """The one optimizer-step sequence: zero the gradients, `forward_backward()` (one global batch's forward and
+    backward; returns the logged parts, "train/loss" among them), the DP reduction and clipping, the non-finite
+    guard's one host read for step `done` (1-based), the update (or a skipped step). The distillation step, the
+    benchmarks' LM-only baseline and the embedded teacher's pretraining all run it. Returns (the logged parts with
+    "train/grad_norm", whether the update was applied)."""
+    optimizer.zero_grad(set_to_none=True)
+    parts = forward_backward()
+    parts["train/grad_norm"] = reduce_and_clip(model, optimizer, grad_clip)
+    finite = guard.check_step(done, parts["train/loss"], parts["train/grad_norm"], metrics=metrics,
+                              checkpoint=checkpoint)
+    apply_update(optimizer, finite)
+    return parts, finite
+
+
+def lm_backward(model, batch: dict) -> dict:
+    """The LM loss alone, forward and backward (a model trained without distillation): {"train/loss": detached}."""
+    loss = lm_loss(models.vocab_parallel_logits(model, batch["tokens"]), batch["labels"], batch["loss_mask"])
+    loss.backward()
+    return {"train/loss": loss.detach()}
+
+
 class StepDriver:
-    """The one optimizer-step sequence, for the trainer and the benchmarks alike: zero the gradients, the global
-    batch's forward/backward (train_step), the DP reduction and clipping, the non-finite guard's one host read, the
-    update (or a skipped step). `lm_step` is the same sequence for the LM-only student (the benchmarks' baseline)."""
+    """The trainer's and the benchmarks' steps on a set-up run (kdexp.train.setup), each the one sequence of
+    `optimizer_step`: `step` distils (train_step over the global batch), `lm_step` trains the student with the LM
+    loss alone (the benchmarks' baseline)."""
 
     def __init__(self, s, cfg, guard: Optional[NonFiniteGuard] = None):
         self.s, self.cfg = s, cfg
         self.guard = guard if guard is not None else NonFiniteGuard(cfg.trainer.skip_nonfinite)
 
-    def _finish(self, done: int, parts: dict, metrics=None, checkpoint=None) -> tuple[dict, bool]:
-        s = self.s
-        parts["train/grad_norm"] = reduce_and_clip(s.student, s.optimizer, self.cfg.trainer.grad_clip)
-        finite = self.guard.check_step(done, parts["train/loss"], parts["train/grad_norm"], metrics=metrics,
-                                       checkpoint=checkpoint)
-        apply_update(s.optimizer, finite)
-        return parts, finite
+    def _run(self, step: int, forward_backward, metrics=None, checkpoint=None) -> tuple[dict, bool]:
+        return optimizer_step(self.s.student, self.s.optimizer, forward_backward, grad_clip=self.cfg.trainer.grad_clip,
+                              guard=self.guard, done=step + 1, metrics=metrics, checkpoint=checkpoint)
 
     def step(self, step: int, micro_batches, *, metrics=None, checkpoint=None) -> tuple[dict, bool]:
         """Training step `step` (0-based): (the logged parts, whether the update was applied)."""
         s = self.s
-        s.optimizer.zero_grad(set_to_none=True)
-        parts = train_step(s.student, s.objective, micro_batches, s.balancer, self.cfg, s.balancer.needs_lm_loss,
-                           step=step, micro_context=getattr(s.optimizer, "micro_context", None))
-        return self._finish(step + 1, parts, metrics, checkpoint)
+        return self._run(step, lambda: train_step(
+            s.student, s.objective, micro_batches, s.balancer, self.cfg, s.balancer.needs_lm_loss, step=step,
+            micro_context=getattr(s.optimizer, "micro_context", None)), metrics, checkpoint)
 
     def lm_step(self, step: int, batch: dict, *, teacher: bool = False) -> tuple[dict, bool]:
         """The student alone with the LM loss: what training without distillation costs; with `teacher` the
         teacher's side of the batch first (its forward, or nothing to run for a cache): what any distillation pays."""
         s = self.s
-        s.optimizer.zero_grad(set_to_none=True)
-        if teacher:
-            s.objective.teacher(batch)
-        loss = lm_loss(models.vocab_parallel_logits(s.student, batch["tokens"]), batch["labels"],
-                                  batch["loss_mask"])
-        loss.backward()
-        return self._finish(step + 1, {"train/loss": loss.detach()})
+
+        def forward_backward() -> dict:
+            if teacher:
+                s.objective.teacher(batch)
+            return lm_backward(s.student, batch)
+
+        return self._run(step, forward_backward)

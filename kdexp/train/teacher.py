@@ -21,9 +21,9 @@ import torch
 from kdexp import assets, distributed, models
 from kdexp.data import batches
 from kdexp.data import cache as data_cache
-from kdexp.objective import lm_loss
 from kdexp.train import optim
 from kdexp.train.batches import batch_to
+from kdexp.train.step import NonFiniteGuard, lm_backward, optimizer_step
 
 log = logging.getLogger("kdexp")
 
@@ -90,7 +90,8 @@ def _endless(ds, **kwargs):
 
 
 def pretrain(model: torch.nn.Module, data, cfg, on_step=None) -> None:
-    """LM-only training of the tiny teacher (AdamW, warmup + cosine, clipping): the stage 'teacher'.
+    """LM-only training of the tiny teacher (AdamW, warmup + cosine, clipping; the trainer's step sequence,
+    kdexp.train.step.optimizer_step, non-finite guard included): the stage 'teacher'.
 
     ``on_step(step, model)`` (1-based step), if given, runs after each update: kdexp.bench.teacher --curve measures
     the teacher on the way there."""
@@ -102,17 +103,13 @@ def pretrain(model: torch.nn.Module, data, cfg, on_step=None) -> None:
     model.train()
     started = time.perf_counter()
     running = torch.zeros((), device=st.device)
+    guard = NonFiniteGuard(cfg.trainer.skip_nonfinite)  # a non-finite step is never applied silently
     for step in range(steps):
         batch = batch_to(next(stream), st.device)
         optim.set_lr(opt, optim.lr_at(step, lr=lr, min_lr=r["min_lr"], warmup=r["warmup_steps"], total=steps))
-        loss = lm_loss(models.vocab_parallel_logits(model, batch["tokens"]), batch["labels"],
-                                  batch["loss_mask"])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        optim.average_gradients(model)
-        optim.clip_gradients(model, r["grad_clip"])
-        opt.step()
-        running += loss.detach()
+        parts, _ = optimizer_step(model, opt, lambda: lm_backward(model, batch), grad_clip=r["grad_clip"],
+                                  guard=guard, done=step + 1)  # the trainer's own step sequence
+        running += parts["train/loss"]
         if on_step is not None:
             on_step(step + 1, model)
             model.train()
