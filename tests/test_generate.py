@@ -119,6 +119,20 @@ def test_a_samples_tokens_do_not_depend_on_its_batch(tp1):
     assert torch.equal(shuffled.tokens, batch.tokens[order])
 
 
+def test_bf16_model_and_its_float16module_wrapper_generate_alike(tp1):
+    """megatron's Float16Module hands back fp32 hidden states of a bf16 model: the head casts them back, so the
+    wrapped model draws what the bare one draws."""
+    from megatron.core.transformer.module import Float16Module
+
+    kd.reseed(7)
+    model = build(get_spec("tiny-student", vocab_size=V, max_position_embeddings=64), params_dtype=torch.bfloat16)
+    seeds = rollout_seeds(2, 0, range(3))
+    bare = generate(model, _prompts(), seeds=seeds, **GEN)
+    wrapped = generate(Float16Module(model.config, model), _prompts(), seeds=seeds, **GEN)
+    assert torch.equal(bare.tokens, wrapped.tokens)
+    torch.testing.assert_close(bare.sampler_logprobs, wrapped.sampler_logprobs, rtol=0, atol=0)
+
+
 def test_top_p_set_matches_a_sorted_reference():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 50, generator=gen)

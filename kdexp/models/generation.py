@@ -111,7 +111,8 @@ class _Head:
         self.padded = padded_vocab_mask(model, local, device)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden[-1], self.weight).float()
+        # a Float16Module wrapper hands back fp32 copies of its bf16/fp16 hidden states: back to the weight's dtype
+        logits = F.linear(hidden[-1].to(self.weight.dtype), self.weight).float()
         return logits if self.padded is None else logits.masked_fill(self.padded, -math.inf)
 
 
