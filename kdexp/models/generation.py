@@ -9,9 +9,9 @@ The KV cache is megatron-core's own inference path: a ``StaticInferenceContext``
 buffers, slices the rotary embedding at the context's ``sequence_len_offset`` and runs its core attention on the cached
 keys; the prompt goes through once (the prefill, causal), then one token per step (no mask: the single query sees
 every cached key). tests/test_generate.py checks it runs on a CPU with kdexp's SDPA attention and with megatron's
-DotProductAttention, GQA, tied and untied, at TP 1 and 2 (gloo), giving the tokens that recomputing the whole prefix
-at every step gives; it is the path megatron's own static-batching inference runs on CUDA. So kdexp keeps no cache of
-its own. The logits are formed here from the final hidden states and this TP rank's output-weight rows (the model's
+DotProductAttention, GQA, tied and untied, giving the tokens that recomputing the whole prefix at every step gives, and
+that at TP 2 (gloo) it gives TP 1's tokens; it is the path megatron's own static-batching inference runs on CUDA (not
+run on a GPU here: no device was available). So kdexp keeps no cache of its own. The logits are formed here from the final hidden states and this TP rank's output-weight rows (the model's
 post-processing is off for the call, as in kdexp.models.final_hidden): megatron's inference post-processing insists
 on gathering the whole vocabulary, the sampler (kdexp.models.sampling) needs only the shard.
 
