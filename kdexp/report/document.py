@@ -64,6 +64,11 @@ def _tail(text: str, n: int = TRACEBACK_LINES) -> str:
 def _sections(sweep: Sweep, quality: str = DEFAULT_QUALITY) -> tuple[list[str], list[Table], Table]:
     """The intro lines, the summary tables (configurations, differences, arms: those that apply), every point."""
     intro = [summary_line(sweep)]
+    if sweep.merged:
+        intro.append(f"Merged {len(sweep.merged)} sweeps (their common settings agree): " + ", ".join(sweep.merged))
+    if sweep.duplicates:
+        intro.append("Counted once (each training is one point, never another replicate): " + "; ".join(
+            f"{copy} = {kept} ({why})" for copy, kept, why in sweep.duplicates))
     if sweep.swept:
         intro.append("Swept: " + ", ".join(sweep.swept))
         for key, others in sweep.aliases.items():

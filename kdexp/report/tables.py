@@ -219,10 +219,12 @@ def swept_text(point: Point, key: str) -> str:
 
 def _status_text(p: Point, metrics: tuple[str, ...]) -> str:
     if p.status == "finished" and p.reused_from:
-        return "finished (reused)"
-    if p.status != "finished" and p.final_partial and any(p.final.get(m) is not None for m in metrics):
-        return f"{p.status} (last {'finite' if p.status == 'diverged' else 'logged'} values)"
-    return p.status
+        text = "finished (reused)"
+    elif p.status != "finished" and p.final_partial and any(p.final.get(m) is not None for m in metrics):
+        text = f"{p.status} (last {'finite' if p.status == 'diverged' else 'logged'} values)"
+    else:
+        text = p.status
+    return text + (f"; counted once with {', '.join(p.copies)}" if p.copies else "")
 
 
 def points_table(sweep: Sweep, metrics: tuple[str, ...] = TABLE_METRICS) -> Table:
@@ -332,7 +334,11 @@ def to_html(table: Table, css_class: str = "kdexp") -> str:
 def summary_line(sweep: Sweep) -> str:
     c = sweep.counts()
     parts = [f"{c[s]} {s}" for s in ("finished", "failed", "diverged", "interrupted", "running", "pending") if c[s]]
-    return f"{len(sweep.points)} point{'s' if len(sweep.points) != 1 else ''}: " + ", ".join(parts)
+    line = f"{len(sweep.points)} point{'s' if len(sweep.points) != 1 else ''}: " + ", ".join(parts)
+    if sweep.duplicates:
+        line += (f" ({len(sweep.points) + len(sweep.duplicates)} run dirs: {len(sweep.duplicates)} hold a training "
+                 "another run dir holds, counted once)")
+    return line
 
 
 __all__ = ["TABLE_METRICS", "GOALS", "BEST_METRICS", "Table", "Best", "goal", "fmt", "best_points", "best_lines",
