@@ -33,7 +33,9 @@ HOW_TO_READ = ("Over replicates (points that differ only in trainer.seed) a cell
                f"of the mean], the interval shown from {MIN_INTERVAL_N} replicates on and clipped to the metric's "
                "valid range (the notes under a table say when). Exact ties are reported as ties. "
                "Differences are paired by seed; significant = their 95% interval excludes 0 (p < 0.05), "
-               "for that one comparison (no correction for the many in a table). "
+               "for that one comparison in the differences table (no correction for the many in it); the best lines are judged "
+               "on Holm's correction over the best lines (both p values shown), and `--pairs A:B ...` tests chosen "
+               "comparisons as a Holm-corrected family. "
                f"Timing metrics ({', '.join(p + '*' for p in TIMING_PREFIXES)}) are machine-dependent: they measure "
                "the load the machine had while a point ran and are never ranked.")
 
