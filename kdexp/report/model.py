@@ -97,6 +97,7 @@ class Sweep:
     seed_key: Optional[str] = None  # the swept key that only picks a replicate (trainer.seed), when one is swept
     merged: list[str] = field(default_factory=list)  # the sweeps a folder of several merged (kdexp.report.trainings)
     duplicates: list[tuple[str, str, str]] = field(default_factory=list)  # (run dir, the point it is, why) folded
+    one_time: list[Any] = field(default_factory=list)  # the one-time work its points used (kdexp.report.cost)
 
     @property
     def config_keys(self) -> list[str]:
