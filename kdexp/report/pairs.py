@@ -20,7 +20,7 @@ from typing import Optional
 
 from kdexp.report.model import Sweep, typed
 from kdexp.report.replicates import Configuration, configurations, is_timing
-from kdexp.report.stats import compare, holm, seeds_needed, summarize
+from kdexp.report.stats import MAX_SEEDS, compare, holm, seeds_needed, summarize
 from kdexp.report.tables import Table, fmt_p
 from kdexp.track.records import parse_scalar
 
@@ -46,7 +46,7 @@ def _key(sweep: Sweep, short: str) -> str:
 
 def _matches(c: Configuration, key: str, value: str) -> bool:
     if key == "arm":
-        return c.arm == value
+        return c.arm == value or ("arm" in c.params and c.text("arm") == value)
     have = c.params.get(key)
     return c.text(key) == value or typed(have) == value or (parse_scalar(value) == have and have is not None)
 
@@ -125,7 +125,7 @@ def pairs_table(sweep: Sweep, pairs: list[tuple[Configuration, Configuration]], 
                      "—" if d.mean is None else f"{d.mean:+.4f}",
                      "—" if d.lo is None else f"[{d.lo:+.4f}, {d.hi:+.4f}]",
                      "—" if spread is None else f"{spread:.4f}", fmt_p(d.p), fmt_p(p_holm), verdict,
-                     "—" if n_for is None else (f">{n_for - 1}" if n_for > 100_000 else str(n_for))])
+                     "—" if n_for is None else (f">{MAX_SEEDS}" if n_for > MAX_SEEDS else str(n_for))])
     notes = [
         f"a - b over the seeds both have (n), paired t test (Welch's where marked), 95% Student-t interval of the "
         f"mean difference (uncorrected). p Holm: Holm's step-down correction over the {family} comparisons shown; "
