@@ -37,6 +37,8 @@ HOW_TO_READ_COST = (
     "Cost per configuration, mean over its finished seeds. cost/device_hours: the training run, wall seconds x "
     "devices / 3600, less the one-time work it happened to do; cost/one_time_device_hours: its share of the one-time "
     "work it used (each build's device-hours divided by the points of this report that used it; the list below). "
+    "The first point a process runs still pays that process's cold start (imports; the corpus, tokenizer and "
+    "datasets on a cold cache): it is not split out. "
     "Device-hours and tokens/s are machine-dependent: they measure the machine and its load while a point ran "
     "(other points, other users) and compare only points that ran on the same kind of machine at the same time. "
     "TFLOP are model FLOPs by kdexp.plan's formulas (student forward + backward, the teacher's forward in the steps, "
