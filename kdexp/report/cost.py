@@ -102,8 +102,8 @@ def add_cost_metrics(sweep: Sweep) -> None:
             w = work[path]
             if w.device_hours is not None:
                 share_hours += w.device_hours / len(w.users)
-                if built:
-                    built_hours += w.device_hours
+            if built:  # this point's wall time holds the build it did (its own record of it)
+                built_hours += _num(build.get("device_hours")) or 0.0
             if flops is not None:
                 share_flops += flops / len(w.users)
         training = max(0.0, hours - built_hours)
