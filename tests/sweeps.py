@@ -5,6 +5,7 @@ point.json, error.log) with numbers chosen by the test. ``run_tiny_sweep`` runs 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -17,6 +18,14 @@ import yaml
 from kdexp.track import records
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def config_hash(config: dict, overrides: list[str]) -> str:
+    """What the trainer's kdexp.config.config_hash stands for here: the same config and overrides = the same training
+    (a hash of the resolved config there; the hand-made config is not a full one, so its overrides count too)."""
+    blob = json.dumps({"config": config, "overrides": sorted(o for o in overrides if not o.startswith("hydra"))},
+                      sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def write_run_dir(run_dir: Path, *, overrides: list[str], config: dict, choices: Optional[dict] = None,
@@ -45,7 +54,8 @@ def write_run_dir(run_dir: Path, *, overrides: list[str], config: dict, choices:
     point = {"num": num, "overrides": overrides, "run_dir": str(run_dir.resolve()), "metrics": {}, "error": None,
              "status": point_status or "running"}
     if final is not None:
-        summary = {"status": "finished", "config_hash": f"h{num}", "overrides": overrides, "steps": steps,
+        summary = {"status": "finished", "config_hash": config_hash(config, overrides), "overrides": overrides,
+                   "steps": steps,
                    "wall_s": 1.5, "final": final, "reused_from": reused_from, **(summary or {})}
         (run_dir / "summary.json").write_text(records.dumps(summary))
         point.update(status=records.ended_status(summary), metrics=final, error=summary.get("error"))

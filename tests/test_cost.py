@@ -8,7 +8,7 @@ import math
 import pytest
 
 from kdexp.report import load_sweep, write_report
-from kdexp.report.cost import COST_METRICS, cost_table
+from kdexp.report.cost import TABLE_COST_METRICS, cost_table
 from kdexp.report.replicates import is_timing, metric_label
 from kdexp.track import cost as track_cost
 from sweeps import tiny_config, write_run_dir
@@ -73,30 +73,31 @@ def test_cost_metrics_table_and_plot(tmp_path):
     _point(root, 3, 1.0, 2, 1800.0, kl=1.2)
     sweep = load_sweep(root)
     p0, p2 = sweep.points[0].final, sweep.points[2].final
-    assert p0["cost/device_hours"] == pytest.approx(0.2) and p0["cost/cache_device_hours"] == pytest.approx(0.25)
+    assert p0["cost/device_hours"] == pytest.approx(0.2) and p0["cost/one_time_device_hours"] == pytest.approx(0.25)
     assert p0["cost/total_device_hours"] == pytest.approx(0.45)
     assert p0["cost/tflop"] == pytest.approx((3e12 + 0 + 4e12 / 2) / 1e12)
     assert p0["cost/tokens_per_s"] == pytest.approx(100.0) and p0["cost/tokens"] == 36_000
-    assert p2["cost/cache_device_hours"] == 0.0 and p2["cost/total_device_hours"] == pytest.approx(1.0)
+    assert p2["cost/one_time_device_hours"] == 0.0 and p2["cost/total_device_hours"] == pytest.approx(1.0)
     assert p2["cost/tflop"] == pytest.approx(4.0)
     for m in ("cost/total_device_hours", "cost/device_hours", "cost/tokens_per_s"):
         assert is_timing(m) and metric_label(m).endswith("(machine-dependent)")
     assert not is_timing("cost/tflop") and not is_timing("cost/tokens")
 
-    table = cost_table(sweep)
-    assert table.columns[:3] == ["configuration", "n", "devices"] and table.columns[3:] == [*COST_METRICS,
-                                                                                          "val/kl_to_teacher"]
+    table = cost_table(sweep)  # every point on the same devices with the same tokens: a note, not two columns
+    assert table.columns == ["configuration", "n", *TABLE_COST_METRICS, "val/kl_to_teacher"]
     rows = [dict(zip(table.columns, r)) for r in table.rows]
     text = [dict(zip(table.columns, r)) for r in table.text]
     assert [r["configuration"] for r in text] == ["balancer.alpha=0.5", "balancer.alpha=1.0"]
-    assert rows[0]["cost/total_device_hours"].mean == pytest.approx((0.45 + 0.65) / 2)
-    assert rows[0]["devices"] == "2 x cpu (x86_64)"
+    assert rows[0]["cost/device_hours"].mean == pytest.approx((0.2 + 0.4) / 2)
+    assert rows[0]["cost/one_time_device_hours"].mean == pytest.approx(0.25)
+    assert "Every point: devices 2 x cpu (x86_64), 36,000 tokens trained." in table.notes
+    assert "teacher-cache build: 1 build used by 2 points, 0.5000 device-hours in all" in " ".join(table.notes)
     assert text[1]["cost/tflop"].startswith("4.0000 ± 0.0000")
     assert any("machine" in n for n in table.notes) and any("t(0.975, 1)" in n for n in table.notes)
 
     files = write_report(sweep, tmp_path / "out", quality="val/kl_to_teacher")
     md = files.markdown.read_text()
-    assert "## Cost per configuration" in md and "cost/total_device_hours (machine-dependent)" in md
+    assert "## Cost per configuration" in md and "cost/device_hours (machine-dependent)" in md
     assert "quality vs cost" in files.plots and files.plots["quality vs cost"].name == "cost.png"
     from kdexp.report.__main__ import main  # the CLI: --quality picks the metric beside the cost
 
@@ -128,7 +129,7 @@ def test_cost_from_a_wandb_group():
     sweep = load_wandb_group("g", api=FakeApi(runs))
     assert [p.final["cost/total_device_hours"] for p in sweep.points] == pytest.approx([0.2, 0.4])
     assert [p.final["cost/tflop"] for p in sweep.points] == pytest.approx([4.0, 4.0])
-    assert cost_table(sweep).text[1][2] == "2 x NVIDIA H100"
+    assert "Every point: devices 2 x NVIDIA H100, 36,000 tokens trained." in cost_table(sweep).notes
 
 
 def test_a_cache_build_records_its_cost_and_the_run_names_the_cache(tmp_path):
@@ -147,8 +148,39 @@ def test_a_cache_build_records_its_cost_and_the_run_names_the_cache(tmp_path):
     assert build["tokens"] == lay.samples * lay.seq_length and build["shards_written"] == lay.shards
     assert build["shards_kept"] == 0 and build["device_count"] == 1 and build["device_kind"].startswith("cpu")
     assert build["wall_s"] > 0 and build["device_hours"] == pytest.approx(build["wall_s"] / 3600)
-    assert track_cost._USED_CACHE == [str(path)]
+    assert track_cost._USED_CACHE == [str(path), "built"]  # this run built it: its wall time holds the build
     with lone_process(seed=0):  # a second run opens the finished cache: noted again, nothing rebuilt
         ensure_at(path, w.key(lay), lay, w.FakeTeacher(), w.dataset(), 2)
     assert json.loads((path / "manifest.json").read_text())["build"] == build
+    assert track_cost._USED_CACHE == [str(path), ""]
     track_cost._USED_CACHE.clear()
+
+
+def test_one_time_work_leaves_the_point_that_did_it_and_is_shared(tmp_path):
+    """The first point of a seed pretrained the teacher (0.3 device-hours of its 0.4) and built the cache; the second
+    only used them: both train for 0.1 and share the 0.3 + 0.5 one-time device-hours, and the FLOPs the same way."""
+    root = tmp_path / "s"
+    for num, (alpha, built) in enumerate(((0.5, True), (1.0, False))):
+        cost = {"wall_s": 720.0 if built else 180.0, "device_count": 2, "device_kind": "cpu (x86_64)",
+                "device_hours": 0.4 if built else 0.1, "tokens": 36_000, "student_flops": 3e12,
+                "teacher_forward_flops": 0.0,
+                "cache": {"path": "/c/1", "build": {"device_hours": 0.5}, "teacher_forward_flops": 4e12,
+                          "built_here": built},
+                "one_time": [{"what": "teacher pretraining", "path": "/t/1", "built_here": built, "flops": 6e12,
+                              "build": {"wall_s": 540.0, "device_count": 2, "device_hours": 0.3, "tokens": 512}}]}
+        if built:  # the cache build's 0.5 was paid by this point too
+            cost.update(wall_s=2160.0, device_hours=1.2 - 0.3 + 0.3)
+        write_run_dir(root / str(num), overrides=[f"balancer.alpha={alpha}"], config=tiny_config(alpha, "topk"),
+                      num=num, steps=4, final={"val/kl_to_teacher": 1.0}, summary={"cost": cost})
+    sweep = load_sweep(root)
+    first, second = (p.final for p in sweep.points)
+    assert first["cost/device_hours"] == pytest.approx(1.2 - 0.3 - 0.5)  # its own training only
+    assert second["cost/device_hours"] == pytest.approx(0.1)
+    for f in (first, second):
+        assert f["cost/one_time_device_hours"] == pytest.approx(0.3 / 2 + 0.5 / 2)
+        assert f["cost/tflop"] == pytest.approx((3e12 + 4e12 / 2 + 6e12 / 2) / 1e12)
+    assert first["cost/tokens_per_s"] == pytest.approx(36_000 / (0.4 * 3600 / 2))
+    note = next(n for n in cost_table(sweep).notes if n.startswith("One-time work"))
+    assert note == ("One-time work, shared over the points that used it: teacher-cache build: 1 build used by 2 "
+                    "points, 0.5000 device-hours in all; teacher pretraining: 1 build used by 2 points, 0.3000 "
+                    "device-hours in all.")

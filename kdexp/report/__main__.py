@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -10,6 +11,7 @@ USAGE_EXAMPLES = """examples:
   python -m kdexp.report multirun/2026-12-02/17-34-40-ab12cd          -> <sweep>/report/
   python -m kdexp.report outputs/2026-12-02/17-40-01-cd34ef --out /tmp/r   (a single run)
   python -m kdexp.report multirun/2026-12-02/17-34-40-ab12cd --watch  (live dashboard until the sweep ends)
+  python -m kdexp.report multirun/2026-12-02/17-34-40-ab12cd --pairs alpha=0.5:alpha=1.0   (paired, Holm)
   python -m kdexp.report --wandb-group 2026-12-02_17-34-40-ab12cd --wandb-project kdexp --out report/
 """
 
@@ -34,6 +36,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quality", metavar="METRIC", default="val/kl_to_teacher",
                    help="the quality metric the cost table and the quality-vs-cost plot show (default: "
                         "val/kl_to_teacher)")
+    p.add_argument("--pairs", metavar="A:B", nargs="+", default=None,
+                   help="print the paired-by-seed table of these comparisons (Markdown, Holm-corrected over the rows "
+                        "shown, with the seeds a difference needs) and exit; A and B name configurations by their "
+                        "swept values, e.g. arm=k8_ghost:arm=k8_renorm or alpha=0.5:alpha=1.0")
+    p.add_argument("--metric", metavar="METRIC", action="append", default=None,
+                   help="with --pairs: a metric to compare (repeat for several; default: val/kl_to_teacher, "
+                        "val/lm_loss, val/top1_agreement)")
+    p.add_argument("--effect", metavar="DELTA", type=float, default=None,
+                   help="with --pairs: the difference (in the metric's units) the seeds-needed column is for "
+                        "(default: the observed difference)")
     p.add_argument("--interval", metavar="S", type=float, default=None,
                    help="with --watch: seconds between looks at the sweep's files (default: 10)")
     return p
@@ -50,6 +62,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error("--watch reads a sweep dir (SWEEP_DIR), not a W&B group")
     if args.interval is not None and (not args.watch or not args.interval > 0):
         ap.error(f"--interval={args.interval} needs --watch and must be > 0 seconds")
+    if args.pairs is None and (args.metric is not None or args.effect is not None):
+        ap.error("--metric and --effect go with --pairs")
+    if args.pairs is not None and (args.watch or args.wandb_group is not None and args.sweep_dir is not None):
+        ap.error("--pairs reads one sweep (SWEEP_DIR or --wandb-group) and prints a table; not with --watch")
+    if args.effect is not None and not (math.isfinite(args.effect) and args.effect > 0):
+        ap.error(f"--effect={args.effect}: give a difference > 0 in the metric's units")
     from kdexp.report.document import REFRESH_S, write_report
     from kdexp.report.tables import best_lines, best_points, summary_line
 
@@ -84,6 +102,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"kdexp.report: no runs found in {sweep.source} (no .hydra/, metrics.jsonl, summary.json or "
               "point.json below it)", file=sys.stderr)
         return 1
+    if args.pairs is not None:
+        return _print_pairs(sweep, args)
     out = Path(args.out) if args.out else Path(args.sweep_dir) / "report"
     # a W&B report is a snapshot nobody regenerates: no refresh tag; a sweep dir's page refreshes while points run
     files = write_report(sweep, out, live=False if args.wandb_group is not None else None, quality=args.quality)
@@ -94,6 +114,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if p.status in ("failed", "diverged"):
             print(f"{p.status} {p.name}: {p.error}")
     print(f"report: {files.markdown}\nhtml:   {files.html}\nplots:  {len(files.plots)} PNG in {files.out_dir}")
+    return 0
+
+
+def _print_pairs(sweep, args) -> int:
+    from kdexp.report.pairs import PAIR_METRICS, pairs_table, parse_pairs
+    from kdexp.report.tables import to_markdown
+
+    try:
+        table = pairs_table(sweep, parse_pairs(sweep, args.pairs), tuple(args.metric or PAIR_METRICS),
+                            effect=args.effect)
+    except ValueError as exc:
+        print(f"kdexp.report: {exc}", file=sys.stderr)
+        return 2
+    print(to_markdown(table))
     return 0
 
 

@@ -29,11 +29,14 @@ from kdexp.report.tables import (Table, arms_table, best_lines, best_points, poi
 
 TRACEBACK_LINES = 40  # the tail of error.log shown per failed point
 REFRESH_S = 10  # how often a live page reloads itself
+DUPLICATES_SHOWN = 12  # folded run dirs named in the intro; the points table names every one
 HOW_TO_READ = ("Over replicates (points that differ only in trainer.seed) a cell is mean ± std [95% Student-t interval "
                f"of the mean], the interval shown from {MIN_INTERVAL_N} replicates on and clipped to the metric's "
                "valid range (the notes under a table say when). Exact ties are reported as ties. "
                "Differences are paired by seed; significant = their 95% interval excludes 0 (p < 0.05), "
-               "for that one comparison (no correction for the many in a table). "
+               "for that one comparison in the differences table (no correction for the many in it); the best lines are judged "
+               "on Holm's correction over the best lines (both p values shown), and `--pairs A:B ...` tests chosen "
+               "comparisons as a Holm-corrected family. "
                f"Timing metrics ({', '.join(p + '*' for p in TIMING_PREFIXES)}) are machine-dependent: they measure "
                "the load the machine had while a point ran and are never ranked.")
 
@@ -64,6 +67,13 @@ def _tail(text: str, n: int = TRACEBACK_LINES) -> str:
 def _sections(sweep: Sweep, quality: str = DEFAULT_QUALITY) -> tuple[list[str], list[Table], Table]:
     """The intro lines, the summary tables (configurations, differences, arms: those that apply), every point."""
     intro = [summary_line(sweep)]
+    if sweep.merged:
+        intro.append(f"Merged {len(sweep.merged)} sweeps (their common settings agree): " + ", ".join(sweep.merged))
+    if sweep.duplicates:
+        shown = [f"{copy} = {kept} ({why})" for copy, kept, why in sweep.duplicates[:DUPLICATES_SHOWN]]
+        more = len(sweep.duplicates) - len(shown)
+        intro.append("Counted once (each training is one point, never another replicate): " + "; ".join(shown)
+                     + (f"; and {more} more (the points table names them)" if more > 0 else ""))
     if sweep.swept:
         intro.append("Swept: " + ", ".join(sweep.swept))
         for key, others in sweep.aliases.items():

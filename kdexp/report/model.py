@@ -65,6 +65,9 @@ class Point:
     seed: Any = None  # trainer.seed as resolved (set by build_sweep): replicates of a configuration pair by it
     shown: dict[str, str] = field(default_factory=dict)  # swept key -> its value as typed (set by build_sweep)
     cost: dict[str, Any] = field(default_factory=dict)  # what the point cost (summary.json "cost", kdexp.track.cost)
+    config_hash: Optional[str] = None  # what it trained (kdexp.config.config_hash; the seed is part of it)
+    sweep: Optional[str] = None  # the sweep dir it belongs to, relative to the folder reported (kdexp.report.trainings)
+    copies: list[str] = field(default_factory=list)  # other run dirs holding this same training (reused, superseded)
 
     def text(self, key: str) -> str:
         """The swept value as typed ('1.0' stays '1.0', '1e-3' stays '1e-3'); the one way every table, legend and
@@ -92,6 +95,9 @@ class Sweep:
     arm_key: Optional[str] = None  # config key naming the experiment arm, when the points have one
     aliases: dict[str, list[str]] = field(default_factory=dict)  # swept key -> config keys that vary with it
     seed_key: Optional[str] = None  # the swept key that only picks a replicate (trainer.seed), when one is swept
+    merged: list[str] = field(default_factory=list)  # the sweeps a folder of several merged (kdexp.report.trainings)
+    duplicates: list[tuple[str, str, str]] = field(default_factory=list)  # (run dir, the point it is, why) folded
+    one_time: list[Any] = field(default_factory=list)  # the one-time work its points used (kdexp.report.cost)
 
     @property
     def config_keys(self) -> list[str]:

@@ -121,7 +121,8 @@ def build_sweep(points: list[Point], source: str) -> Sweep:
     value differs between points; without overrides (W&B runs) they are the config keys that differ, and keys that
     vary together (an arm changes loss.* and balancer.* at once) are one parameter, the others kept as aliases."""
     # Job number order where there is one; otherwise the order given (directory order, W&B creation order).
-    points = sorted(points, key=lambda p: (p.num is None, p.num if p.num is not None else 0))
+    # (A folder of several sweeps: sweep by sweep, kdexp.report.trainings names them.)
+    points = sorted(points, key=lambda p: (p.sweep or "", p.num is None, p.num if p.num is not None else 0))
     arm_key = _arm_key(points)
     aliases: dict[str, list[str]] = {}
     if any(p.overrides for p in points):

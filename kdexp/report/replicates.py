@@ -19,7 +19,7 @@ from kdexp.report.stats import Difference, Summary, compare, summarize
 
 TIMING_PREFIXES = ("perf/",)
 # the cost/* metrics (kdexp.report.cost) that measure the machine too: device-hours and tokens/s
-TIMING_KEYS = frozenset({"cost/total_device_hours", "cost/device_hours", "cost/cache_device_hours",
+TIMING_KEYS = frozenset({"cost/total_device_hours", "cost/device_hours", "cost/one_time_device_hours",
                          "cost/tokens_per_s"})
 MACHINE_NOTE = "machine-dependent"
 

@@ -16,6 +16,7 @@ import yaml
 from kdexp.report.cost import add_cost_metrics
 from kdexp.report.model import Point, Sweep, is_number
 from kdexp.report.params import build_sweep
+from kdexp.report.trainings import count_once, merge_sweeps
 from kdexp.track import records
 
 # Directories that never hold a run of the sweep: a run's internals, and the report's own output.
@@ -105,6 +106,15 @@ def _status(summary: Optional[dict], point_json: dict, traceback: Optional[str],
     return records.liveness({**point_json, "status": status}) if point_json else status
 
 
+def _config_hash(summary: Optional[dict], run_dir: Path, point_json: dict) -> Optional[str]:
+    """What the run dir trained: summary.json's config_hash, else run.json's (written when the run started)."""
+    for record in (summary, _read_dict(run_dir / records.RUN), point_json):
+        value = (record or {}).get("config_hash")
+        if isinstance(value, str) and value:
+            return value
+    return None
+
+
 def load_point(run_dir: str | Path, root: Optional[str | Path] = None) -> Point:
     """One run dir -> Point (status: see _status)."""
     run_dir = Path(run_dir)
@@ -142,7 +152,8 @@ def load_point(run_dir: str | Path, root: Optional[str | Path] = None) -> Point:
                  choices=choices, final=final, curves=curves, status=status, error=error, traceback=traceback,
                  num=num, steps=(summary or {}).get("step" if status == "diverged" else "steps"),
                  wall_s=(summary or {}).get("wall_s"), cost=(summary or {}).get("cost") or {},
-                 reused_from=reused_from, final_partial=status != "finished" and bool(final))
+                 reused_from=reused_from, final_partial=status != "finished" and bool(final),
+                 config_hash=_config_hash(summary, run_dir, point_json))
 
 
 def _planned_points(root: Path, found: list[Point]) -> list[Point]:
@@ -173,13 +184,18 @@ def _planned_points(root: Path, found: list[Point]) -> list[Point]:
 
 
 def load_sweep(root: str | Path) -> Sweep:
-    """A sweep dir (points found recursively, plus pending points from sweep.json) or a single run dir -> Sweep."""
+    """A sweep dir (points found recursively, plus pending points from sweep.json), a folder of sweeps (merged when
+    their common settings agree, else ValueError) or a single run dir -> Sweep, each training counted once
+    (kdexp.report.trainings)."""
     root = Path(root)
     if not root.is_dir():
         raise ValueError(f"sweep_dir={str(root)!r} is not a directory (expected a run dir or a Hydra sweep dir)")
     points = [load_point(d, root) for d in find_run_dirs(root)]
     points += _planned_points(root, points)
+    merged = merge_sweeps(points, root)  # refuses sweeps whose common settings differ
+    points, duplicates = count_once(points)
     sweep = build_sweep(points, source=str(root))
+    sweep.merged, sweep.duplicates = merged, duplicates
     add_cost_metrics(sweep)  # after every point is known: cache builds are shared out over the sweep's points
     return sweep
 

@@ -218,5 +218,63 @@ def compare(a: Mapping[Hashable, float], b: Mapping[Hashable, float], confidence
     return welch_difference(a.values(), b.values(), confidence)
 
 
-__all__ = ["CONFIDENCE", "Summary", "Difference", "summarize", "paired_difference", "welch_difference", "compare",
+# ---------------------------------------------------------------------------------------------------------------------
+def holm(pvalues: list[Optional[float]]) -> list[Optional[float]]:
+    """Holm's step-down adjusted p values over the family of the p values given (None or NaN: not tested, not in the
+    family). Sorted ascending, the i-th of m is multiplied by m - i + 1 (i from 1), made non-decreasing and capped
+    at 1; an adjusted p below alpha rejects at family-wise error rate alpha (Holm 1979)."""
+    tested = [i for i, p in enumerate(pvalues) if p is not None and not math.isnan(p)]
+    m = len(tested)
+    out: list[Optional[float]] = [None] * len(pvalues)
+    running = 0.0
+    for rank, i in enumerate(sorted(tested, key=lambda j: pvalues[j])):
+        running = max(running, min(1.0, (m - rank) * float(pvalues[i])))
+        out[i] = running
+    return out
+
+
+def normal_ppf(q: float) -> float:
+    """The q-quantile of the standard normal (the t quantile's limit; bisection on erfc)."""
+    if not 0.0 < q < 1.0:
+        raise ValueError(f"normal_ppf: q={q!r} must be in (0, 1)")
+    lo, hi = -40.0, 40.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if mid in (lo, hi):
+            break
+        if 0.5 * math.erfc(-mid / math.sqrt(2.0)) < q:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+MAX_SEEDS = 100_000  # beyond this the answer is "more than": the effect is negligible against the spread
+
+
+def seeds_needed(sd: float, delta: float, alpha: float = 0.05, power: float = 0.8) -> Optional[int]:
+    """Pairs (seeds) a two-sided paired t test needs to detect a mean difference ``delta`` with ``power`` at level
+    ``alpha`` when the per-seed differences have standard deviation ``sd``: the smallest n >= 2 with
+    n >= ((t(1 - alpha/2, n - 1) + t(power, n - 1)) * sd / delta)^2, iterated from the normal approximation
+    n0 = ((z(1 - alpha/2) + z(power)) * sd / delta)^2 (the t quantiles replace z until n stops changing). None when
+    sd or delta is not a positive finite number; MAX_SEEDS + 1 when even MAX_SEEDS would not do."""
+    if not (math.isfinite(sd) and math.isfinite(delta)) or sd < 0 or delta == 0:
+        return None
+    if sd == 0:
+        return 2  # every pair differs by the same amount: two pairs show it
+    ratio = sd / abs(delta)
+    n = max(2, math.ceil(((normal_ppf(1 - alpha / 2) + normal_ppf(power)) * ratio) ** 2))
+    for _ in range(100):
+        if n > MAX_SEEDS:
+            return MAX_SEEDS + 1
+        need = math.ceil(((t_ppf(1 - alpha / 2, n - 1) + t_ppf(power, n - 1)) * ratio) ** 2)
+        if need <= n:  # n suffices; step down while a smaller n still does (the t quantiles shrink as n grows)
+            while n > 2 and math.ceil(((t_ppf(1 - alpha / 2, n - 2) + t_ppf(power, n - 2)) * ratio) ** 2) <= n - 1:
+                n -= 1
+            return n
+        n = need
+    return n
+
+
+__all__ = ["holm", "seeds_needed", "normal_ppf", "MAX_SEEDS", "CONFIDENCE", "Summary", "Difference", "summarize", "paired_difference", "welch_difference", "compare",
            "t_cdf", "t_ppf", "two_sided_p", "betainc"]

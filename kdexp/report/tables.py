@@ -18,7 +18,7 @@ from kdexp.report.model import MISSING, Point, Sweep, aggregate
 from kdexp.report.params import config_differences
 from kdexp.report.ranges import SMALL_N_MARK, range_text, small_n_note, valid_range
 from kdexp.report.replicates import Configuration, Ranking, configurations, has_replicates, is_timing, metric_label, rank
-from kdexp.report.stats import Difference, Summary
+from kdexp.report.stats import Difference, Summary, holm
 from kdexp.track.records import parse_scalar
 
 # The per-point table's metric columns, in order.
@@ -170,8 +170,13 @@ def best_points(sweep: Sweep, metrics: tuple[str, ...] = BEST_METRICS) -> dict[s
 
 
 def best_lines(best: dict[str, Best]) -> list[str]:
-    """One line per metric: the best configuration, then whether it is significantly better than the runner-up."""
+    """One line per metric: the best configuration, then whether it is significantly better than the runner-up.
+    The lines' tests are one family: judged on Holm's corrected p over the lines that test (stats.holm), which each
+    line names next to the uncorrected p."""
     word = {"min": "lowest", "max": "highest"}
+    tested = {m: b.ranking.difference.p for m, b in best.items() if b.ranking is not None and not b.tied
+              and b.ranking.runner_up is not None and b.ranking.significant is not None}
+    corrected = dict(zip(tested, holm(list(tested.values()))))
     lines = []
     for b in best.values():
         r = b.ranking
@@ -193,14 +198,17 @@ def best_lines(best: dict[str, Best]) -> list[str]:
         line = f"{b.metric} ({word[b.goal]} is best): {summary_text(r.summary, with_n=True)} at {r.best.label}"
         if r.runner_up is not None:
             d = r.difference
-            if r.significant is True:
-                judged = "significantly better than"
-            elif r.significant is False:
-                judged = "NOT significantly better than"
-            else:
+            p_holm = corrected.get(b.metric)
+            if p_holm is None:
                 judged = "not tested against"
+            elif p_holm < 1.0 - d.confidence:
+                judged = "significantly better than"
+            else:
+                judged = "NOT significantly better than"
             line += (f" - {judged} the runner-up {r.runner_up.label} ({summary_text(r.runner_up_summary)}):"
                      f" difference {difference_text(d)}")
+            if p_holm is not None:
+                line += f", Holm over the {len(corrected)} best lines p={fmt_p(p_holm)}"
         lines.append(line)
     return lines
 
@@ -219,10 +227,12 @@ def swept_text(point: Point, key: str) -> str:
 
 def _status_text(p: Point, metrics: tuple[str, ...]) -> str:
     if p.status == "finished" and p.reused_from:
-        return "finished (reused)"
-    if p.status != "finished" and p.final_partial and any(p.final.get(m) is not None for m in metrics):
-        return f"{p.status} (last {'finite' if p.status == 'diverged' else 'logged'} values)"
-    return p.status
+        text = "finished (reused)"
+    elif p.status != "finished" and p.final_partial and any(p.final.get(m) is not None for m in metrics):
+        text = f"{p.status} (last {'finite' if p.status == 'diverged' else 'logged'} values)"
+    else:
+        text = p.status
+    return text + (f"; counted once with {', '.join(p.copies)}" if p.copies else "")
 
 
 def points_table(sweep: Sweep, metrics: tuple[str, ...] = TABLE_METRICS) -> Table:
@@ -332,7 +342,11 @@ def to_html(table: Table, css_class: str = "kdexp") -> str:
 def summary_line(sweep: Sweep) -> str:
     c = sweep.counts()
     parts = [f"{c[s]} {s}" for s in ("finished", "failed", "diverged", "interrupted", "running", "pending") if c[s]]
-    return f"{len(sweep.points)} point{'s' if len(sweep.points) != 1 else ''}: " + ", ".join(parts)
+    line = f"{len(sweep.points)} point{'s' if len(sweep.points) != 1 else ''}: " + ", ".join(parts)
+    if sweep.duplicates:
+        line += (f" ({len(sweep.points) + len(sweep.duplicates)} run dirs: {len(sweep.duplicates)} hold a training "
+                 "another run dir holds, counted once)")
+    return line
 
 
 __all__ = ["TABLE_METRICS", "GOALS", "BEST_METRICS", "Table", "Best", "goal", "fmt", "best_points", "best_lines",

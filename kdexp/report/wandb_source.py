@@ -106,7 +106,8 @@ def point_from_run(run: Any) -> Point:
                  overrides=_overrides(run, _as_dict(getattr(run, "config", None))), config=config, final=final,
                  curves=curves, status=status, error=error, final_partial=status != "finished" and bool(final),
                  steps=int(steps) if _number(steps) is not None else None,
-                 cost=_as_dict(summary.get("cost")) if isinstance(summary.get("cost"), dict) else {})
+                 cost=_as_dict(summary.get("cost")) if isinstance(summary.get("cost"), dict) else {},
+                 reused_from=config.get("reused_from") or summary.get("reused_from") or None)
 
 
 def load_wandb_group(group: str, *, project: str = "kdexp", entity: Optional[str] = None, api: Any = None) -> Sweep:

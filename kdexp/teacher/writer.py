@@ -236,5 +236,5 @@ def ensure_at(path: Path, key: dict, layout: fmt.Layout, teacher, dataset, micro
             build(path, key, layout, teacher, dataset, micro_batch_size)
             cache = TeacherCache(path, key)
     distributed.barrier()
-    cost.note_cache(path)  # the run's cost record names the cache (and its build) it used
+    cost.note_cache(path, built=not done)  # the run's cost record names the cache (and its build) it used
     return cache

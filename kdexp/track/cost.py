@@ -4,13 +4,17 @@
      "tokens": 819200, "student_flops": 1.2e15, "teacher_forward_flops": 3.4e14,
      "cache": {"path": ".../teacher_cache/ab12", "build": {"wall_s": .., "device_count": .., "device_kind": ..,
                "device_hours": .., "tokens": .., "shards_written": .., "shards_kept": ..},
-               "teacher_forward_flops": 2.7e14}}
+               "teacher_forward_flops": 2.7e14},
+     "one_time": [{"what": "teacher pretraining", "path": ".../teacher/ea85", "built_here": true, "flops": 1.9e12,
+                   "build": {"wall_s": 41.6, "device_count": 1, "device_kind": .., "device_hours": .., "tokens": ..}}]}
 
 FLOPs are model FLOPs by kdexp.plan's formulas (kdexp.plan.flops_per_token, handed in: the plan sits above this
 package), for the training steps only (the
 evaluation passes are not counted); with ``teacher=cached`` the step runs no teacher (``teacher_forward_flops`` 0)
 and the cache build's teacher pass is recorded under ``cache``, once per build: the report divides it over the
-points of a sweep that share the cache (kdexp.report.cost). ``wall_s`` is this process's time in the point (a run
+points of a sweep that share the cache (kdexp.report.cost). Other one-time work a run used (the embedded teacher's
+pretraining, done by whichever point needed it first) is listed under ``one_time`` with what building it cost (its
+``build.json``, None when it was built before such records existed), shared the same way. ``wall_s`` is this process's time in the point (a run
 resumed after a kill counts its last attempt only); device-hours = wall_s x device_count / 3600, and like tokens/s
 it depends on the machine and its load.
 """
@@ -23,11 +27,28 @@ from typing import Any, Callable, Optional
 from kdexp.track import records
 
 _USED_CACHE: list[str] = []  # the teacher cache this process's current run opened (kdexp.teacher.writer notes it)
+_ONE_TIME: dict[str, tuple[str, bool]] = {}  # path -> (what, built by this run): one-time artefacts this run used
+ONE_TIME_RECORD = "build.json"  # in a one-time artefact's directory: what building it cost (one_time_record)
 
 
-def note_cache(path: str | Path) -> None:
-    """Called by the teacher cache when a run opens it: the run's cost names the cache it used."""
-    _USED_CACHE[:] = [str(path)]
+def note_cache(path: str | Path, built: bool = False) -> None:
+    """Called by the teacher cache when a run opens it (``built``: this run wrote it): the run's cost names the cache
+    it used."""
+    _USED_CACHE[:] = [str(path), "built" if built else ""]
+
+
+def note_one_time(what: str, path: str | Path, *, built: bool) -> None:
+    """Called when a run uses a one-time artefact (``built`` now, or by an earlier run: the embedded teacher's
+    pretraining): the run's cost names it, so the report shares what building it cost over every point that used
+    it, and takes it out of the wall time of the point that built it."""
+    _ONE_TIME[str(path)] = (what, built or _ONE_TIME.get(str(path), ("", False))[1])
+
+
+def one_time_record(*, wall_s: float, tokens: int, device: Any = None, **extra: Any) -> dict:
+    """What one-time work cost (written as ONE_TIME_RECORD into the artefact, before its manifest seals it)."""
+    count, kind = device_info(device)
+    return {"wall_s": wall_s, "device_count": count, "device_kind": kind,
+            "device_hours": device_hours(wall_s, count), "tokens": tokens, **extra}
 
 
 def device_info(device: Any = None) -> tuple[int, str]:
@@ -84,13 +105,23 @@ def run_cost(cfg: Any, *, wall_s: float, flops_per_token: Callable[[Any], dict],
         cost["teacher_forward_flops"] = 0.0 if cached else per_token["teacher_forward"] * tokens
     used = _USED_CACHE[:]
     _USED_CACHE.clear()  # a sweep's next point in this process must not inherit it
+    one_time = []
+    for path, (what, built) in _ONE_TIME.items():
+        build = records.read_json(Path(path) / ONE_TIME_RECORD)
+        build = build if isinstance(build, dict) else None
+        # the teacher's pretraining: forward + backward, 3x its forward FLOPs per token (kdexp.plan's rule)
+        per = per_token["teacher_forward"]
+        one_time.append({"what": what, "path": path, "built_here": built, "build": build,
+                         "flops": 3 * per * build["tokens"] if per and build and build.get("tokens") else None})
+    _ONE_TIME.clear()
+    cost["one_time"] = one_time
     if cached and used:
         manifest = records.read_json(Path(used[0]) / "manifest.json") or {}
         build: Optional[dict] = manifest.get("build")
-        cost["cache"] = {"path": used[0], "build": build,
+        cost["cache"] = {"path": used[0], "build": build, "built_here": used[1] == "built",
                          "teacher_forward_flops": per_token["teacher_forward"] * build["tokens"]
                          if build and build.get("tokens") and per_token["teacher_forward"] else None}
     return cost
 
 
-__all__ = ["run_cost", "build_record", "note_cache", "device_info", "device_hours", "tokens_per_step"]
+__all__ = ["run_cost", "build_record", "note_one_time", "one_time_record", "ONE_TIME_RECORD", "note_cache", "device_info", "device_hours", "tokens_per_step"]

@@ -21,6 +21,7 @@ import torch
 from kdexp import assets, distributed, models
 from kdexp.data import batches
 from kdexp.data import cache as data_cache
+from kdexp.track import cost, records
 from kdexp.train import optim
 from kdexp.train.batches import batch_to
 from kdexp.train.step import NonFiniteGuard, lm_backward, optimizer_step
@@ -135,19 +136,28 @@ def get_teacher(cfg, data) -> torch.nn.Module:
     writer = distributed.is_rank0()
     # Global rank 0 holds the cache lock around check-train-save, so parallel jobs on a cold cache pretrain once;
     # the other ranks of this job wait for rank 0's decision (a broadcast), so all of them train or none does.
+    built = False
     with data_cache.exclusive(path, enabled=writer):
         if not distributed.rank0_decides(data_cache.check(path) if writer else True):
+            built = True
             if writer:
                 log.info("stage teacher: pretraining the embedded teacher %s for %d steps (once; cached in %s)",
                          cfg.model.teacher, cfg.model.teacher_pretrain_steps, path)
             # Its init from the seed alone: a rebuild (cold cache, corrupt copy) gives the same weights whatever ran first.
             distributed.reseed(cfg.trainer.seed)
+            started = time.perf_counter()
             spec = models.get_spec(cfg.model.teacher, vocab_size=data.vocab_size)
             model = models.build(spec, params_dtype=dtype, attention=cfg.model.attention)
             pretrain(model, data, cfg)
             models.save_hf(model, path, spec)  # collective; rank 0 writes atomically
             del model
-            if writer:  # last: until the manifest exists the directory counts as unfinished and is rebuilt
+            if writer:  # what it cost, sealed by the manifest; the manifest last: until it exists the directory
+                # counts as unfinished and is rebuilt
+                st, r = distributed.state(), recipe(cfg)
+                records.write_json(path / cost.ONE_TIME_RECORD, cost.one_time_record(
+                    wall_s=time.perf_counter() - started, device=st.device,
+                    tokens=r["steps"] * r["micro_batch_size"] * st.dp_size * int(cfg.trainer.seq_length)))
                 data_cache.write_manifest(path)
     distributed.barrier()
+    cost.note_one_time("teacher pretraining", path, built=built)  # the report shares it over the points using it
     return freeze(models.load_hf(path, params_dtype=dtype, attention=cfg.model.attention))
