@@ -5,7 +5,8 @@ temp file then renamed, metrics.jsonl drops a half-written line, a checkpoint st
 
 - `disk_fault(exc)` finds such an OSError anywhere in an exception's chain (torch.save turns ENOSPC into a
   RuntimeError "unexpected pos" whose context is the OSError);
-- `one_line(exc)`: that line for an exception (a sweep records it as the point's error and prints it: kdexp.track);
+- `one_line(exc)`: that line for an exception, and a ConfigError's (a sweep records it as the point's error and
+  prints it: kdexp.track);
 - `writing(path)` names the path on an OSError that has none (a failed ``write()`` carries no file name);
 - `WritableDirs`, a Hydra callback, tries the run (or sweep) directory before Hydra creates it and writes its config
   there: a read-only directory, a directory that cannot be created or a disk that cannot take 64 KiB stops the run
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from hydra.experimental.callback import Callback
+
+from kdexp.rules import ConfigError
 
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
 PROBE_BYTES = 64 * 1024  # what .hydra/, run.log and the first records need before the first checkpoint
@@ -55,9 +58,13 @@ def describe(err: OSError, path: Any = None) -> str:
 
 
 def one_line(exc: Optional[BaseException]) -> Optional[str]:
-    """`describe` of the disk fault in `exc`'s chain (a single run's line, a sweep point's error), else None."""
+    """The line a single run prints instead of a traceback (after ``kdexp: error: ``), which a sweep point that
+    raised `exc` prints and records as its error too: `describe` of the disk fault in `exc`'s chain, or the message
+    of a ``ConfigError`` (a value only the prepared data or the teacher cache shows wrong); None for anything else."""
     fault = disk_fault(exc)
-    return None if fault is None else describe(fault)
+    if fault is not None:
+        return describe(fault)
+    return str(exc) if isinstance(exc, ConfigError) else None
 
 
 @contextlib.contextmanager
