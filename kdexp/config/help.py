@@ -24,7 +24,7 @@ import tokenize
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import yaml
 from omegaconf import MISSING, OmegaConf
@@ -38,6 +38,12 @@ EXAMPLES = (
      "python -m kdexp.run -m loss=topk,top_p balancer.alpha=0.5,1.0 hydra/launcher=slurm_gpu parallel.tensor=8"),
 )
 HYDRA_LAUNCHER = "hydra/launcher"
+# The page's order: the groups a run is made of first, where it runs and logs next, presets and their arms last;
+# keys follow their group's place (parallel, launch and paths after trainer).
+GROUP_ORDER = ("model", "loss", "balancer", "teacher", "data", "trainer", "parallel", "logger", "launch", "paths",
+               HYDRA_LAUNCHER, "experiment", "experiment_arm", "arm")
+# Handed in by kdexp.run (kdexp.models is above this package): () -> the model names model.teacher/student take.
+model_names: Optional[Callable[[], Sequence[str]]] = None
 # Modules whose value rules name config keys: parsed for the "allowed" column.
 RULE_MODULES = {"kdexp.config.checks": "", "kdexp.config.sources": "", "kdexp.losses.options": None}
 WIDTH = 118
@@ -101,7 +107,13 @@ def config_groups() -> dict[str, Group]:
         launcher.default = "basic"
     for group in groups.values():
         group.options.sort(key=lambda o: (o != group.default, o))
-    return groups
+    return {name: groups[name] for name in sorted(groups, key=_place)}
+
+
+def _place(name: str) -> tuple:
+    """Where a group (or a key, by its first part) goes on the page: GROUP_ORDER, then any other in name order."""
+    head = name if name == HYDRA_LAUNCHER else name.split(".")[0]
+    return (GROUP_ORDER.index(head) if head in GROUP_ORDER else GROUP_ORDER.index(HYDRA_LAUNCHER) - 0.5, name)
 
 
 # --- keys: the schema -------------------------------------------------------------------------------------------------
@@ -145,7 +157,19 @@ def _type_name(tp: Any) -> str:
         return f"{_type_name(next(a for a in args if a is not type(None)))} or null"
     if origin in (list, typing.List):
         return f"list of {_type_name(args[0])}" if args else "list"
+    if tp is Any:  # a key of several kinds (e.g. auto or a bool): its allowed values say which
+        return "value"
     return getattr(tp, "__name__", str(tp))
+
+
+def _plain(note: str, allowed: str) -> str:
+    """A field's comment as the page says it: null for Python's None, and no constant's name where the allowed
+    values already list them ("one of DIVERGENCES")."""
+    note = re.sub(r"\bNone\b", "null", note)
+    if allowed:
+        note = re.sub(r"(;\s*)?\bone of [A-Z][A-Z0-9_]+\b(;\s*)?", lambda m: "; " if m.group(1) and m.group(2) else "",
+                      note).strip()
+    return note
 
 
 def _value(x: Any) -> str:
@@ -182,12 +206,14 @@ def schema_keys() -> list[Key]:
                 continue
             name = f"{prefix}{f.name}"
             allowed = "; ".join(rules.get(name, []))
+            if name in ("model.teacher", "model.student") and model_names is not None:
+                allowed = "one of " + ", ".join(model_names())
             if not allowed and tp is bool:
                 allowed = "true or false"
-            keys.append(Key(name, _type_name(tp), _default(f), _comment(cls, f.name), allowed))
+            keys.append(Key(name, _type_name(tp), _default(f), _plain(_comment(cls, f.name), allowed), allowed))
 
     walk(KdexpConfig, "")
-    return keys
+    return sorted(keys, key=lambda k: _place(k.name)[0])  # stable: the schema's order within a group
 
 
 # --- allowed values: the rules --------------------------------------------------------------------------------------
