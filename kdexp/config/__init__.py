@@ -4,7 +4,9 @@
 - ``validate(cfg)``: every value checked before anything is built (``rules``: generic rules, ``sources``: model,
   data and files on disk, ``checks``: the rest and the cross-key checks; the loss and balancer rules are
   kdexp.losses.options');
-- ``config_hash(cfg)``: the identity of a sweep point.
+- ``config_hash(cfg)``: the identity of a sweep point;
+- ``multirun``: a sweep's points composed as Hydra will compose them, each checked before anything starts;
+- ``help``: the ``--help`` page, generated from the schema, the groups and the rules.
 """
 from kdexp.config.checks import check_launch, validate
 from kdexp.config.identity import config_hash

@@ -47,7 +47,6 @@ class Sweep:
         return self.launcher.endswith(BASIC_LAUNCHER)
 
 
-
 def _task_config(loader: Any, master: Any, point: list[str]) -> Any:
     """The point's task config as hydra.core.utils.run_job hands it to the task function: the ``hydra`` node removed
     and HydraConfig set (the task config may read ``${hydra:...}``)."""
@@ -64,8 +63,8 @@ def _task_config(loader: Any, master: Any, point: list[str]) -> Any:
 def compose(overrides: Sequence[str], multirun_flag: bool,
             each: Optional[Callable[[Sweep, int, list[str], Any], None]] = None, single: bool = False) -> Sweep:
     """The sweep a command line starts (``multirun_flag``: ``-m`` was given; a config may also set hydra.mode=MULTIRUN,
-    as an experiment preset with its own sweep does); ``each(sweep, num, overrides, task config)`` is called for every point
-    in job-number order while Hydra's state is the job's. Hydra's own errors (an override it cannot parse, a config it
+    as an experiment preset with its own sweep does); ``each(sweep, num, overrides, task config)`` is called for every
+    point in job-number order while Hydra's state is the job's. Hydra's own errors (an override it cannot parse, a config it
     cannot compose) propagate; the caller leaves them to hydra.main, which reports them as it always does. ``single``:
     a command line that is no multirun is one point (its overrides), else it has no points."""
     from hydra import initialize_config_module
@@ -110,11 +109,10 @@ class Point:
     note: str = ""
 
 
-def check(overrides: Sequence[str], multirun_flag: bool, checks: Sequence[Callable[[Any], None]] = (),
-          describe: Optional[Callable[[Any], str]] = None, in_process_checks: Sequence[Callable[[Any], None]] = (),
-          single: bool = False) -> tuple[Sweep, list[Point]]:
-    """Every point of the sweep validated (kdexp.config.validate, then ``checks`` and, when the basic launcher runs
-    the points in this process, check_launch and ``in_process_checks``: what depends on the job's own processes);
+def check(overrides: Sequence[str], multirun_flag: bool, describe: Optional[Callable[[Any], str]] = None,
+          in_process_checks: Sequence[Callable[[Any], None]] = (), single: bool = False) -> tuple[Sweep, list[Point]]:
+    """Every point of the sweep validated (kdexp.config.validate and, when the basic launcher runs the points in this
+    process, check_launch and ``in_process_checks``: what depends on the job's own processes);
     a ValueError refuses the point with its one line. ``describe(cfg)`` notes each point that passed."""
     from kdexp.config.checks import check_launch, validate
 
@@ -124,7 +122,7 @@ def check(overrides: Sequence[str], multirun_flag: bool, checks: Sequence[Callab
         item = Point(num, point)
         try:
             validate(cfg)
-            for fn in (*checks, *((check_launch, *in_process_checks) if sweep.in_process else ())):
+            for fn in (check_launch, *in_process_checks) if sweep.in_process else ():
                 fn(cfg)
             item.note = describe(cfg) if describe is not None else ""
         except ValueError as err:
