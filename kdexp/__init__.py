@@ -7,7 +7,15 @@ checkout's root joins this package's search path: ``kdexp.conf`` is then ``<root
 the conf of another install), and editable, source and installed runs import the same two subpackages.
 """
 import os as _os
+import warnings as _warnings
 from pathlib import Path as _Path
+
+# megatron-core warns at import, once per module, that it falls back to torch for the fused kernels Transformer Engine
+# and Apex would give (four lines before a benchmark's --help). kdexp's local layer spec needs neither. Here, because
+# every kdexp module is imported through this file before anything of kdexp imports megatron; the filters name
+# megatron's modules, so the same words from anyone else still show.
+_warnings.filterwarnings("ignore", message=r".*Transformer Engine and Apex are not installed.*", module=r"megatron\.")
+_warnings.filterwarnings("ignore", message=r".*(Apex|apex|TransformerEngine|transformer_engine).*", module=r"megatron\.")
 
 _root = _Path(__file__).resolve().parent.parent
 if not (_Path(__file__).parent / "conf").is_dir() and (_root / "conf" / "__init__.py").is_file() \

@@ -15,12 +15,18 @@ saving a checkpoint (143 for SIGTERM; kdexp.train.signals; the line says how to 
 line, a config Hydra cannot compose (unknown key, wrong type, missing option) or a value ``kdexp.config.validate``
 rejects, or one that only the prepared data or the teacher cache shows wrong (``kdexp.rules.ConfigError``: data too
 small for trainer.seq_length, a nucleus that overflows the cached top-K_max). A config error or a divergence in a
-single run prints one line, without a Python traceback. In a sweep the exception goes on to
-``kdexp.track.sweep.SweepCallback``, which records the point as failed and lets the others run.
+single run prints one line, without a Python traceback. A sweep (``-m``, or a config with hydra.mode=MULTIRUN) is
+checked whole first: every point composed as Hydra will compose it and validated (kdexp.config.multirun) before
+hydra.main starts, on every launcher; a refused point is one line naming the key, the value and the point, exit 2,
+nothing written. ``--dry-run`` lists the points (their overrides, which would be reused) and runs nothing. In a
+sweep's job an exception goes on to ``kdexp.track.sweep.SweepCallback``, which records the point as failed (a refused
+value: with the single run's one line, no traceback) and lets the others run.
 """
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 import hydra
@@ -29,6 +35,7 @@ from omegaconf import DictConfig
 
 import kdexp.conf  # noqa: F401  (registers the typed schema and the resolvers the YAML uses)
 import kdexp.config
+from kdexp.rules import ConfigError
 from kdexp.track import faults, records, rundir
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -152,8 +159,10 @@ def main(cfg: DictConfig):
 
         refuse_if_too_big(cfg)  # trainer.gpu_memory_gb set: the plan must fit (kdexp.plan, no model built)
     except ValueError as err:
-        if multirun:
-            raise  # SweepCallback records the point as failed; the other points go on
+        if multirun:  # the submitting process checked it already, unless a sweeper chose it as the sweep ran, or
+            # this job's processes (a SLURM task count) differ: SweepCallback records the point as failed with this
+            # one line, and the other points go on
+            raise ConfigError(str(err)) from None
         taken = isinstance(err, rundir.RunDirTaken)  # nothing is written into another run's dir
         _single_run_failed(2, f"kdexp: error: {err}", run_dir, None if taken else f"config error: {err}\n")
         return None
@@ -205,9 +214,99 @@ def _known_overrides(args) -> None:
         raise SystemExit(2) from None
 
 
+DRY_RUN = "--dry-run"  # kdexp's own flag (not Hydra's): list the points, check them, run nothing
+
+
+def _would(cfg) -> str:
+    """What a sweep point would do (kdexp.train.point's reuse rule, read without writing): reuse a finished run of
+    the same config, resume an interrupted one from its checkpoints, or train."""
+    if not cfg.trainer.reuse_finished:
+        return "would train (trainer.reuse_finished=false)"
+    key = kdexp.config.config_hash(cfg)
+    previous = rundir.PointIndex(cfg.paths.index).lookup(key)
+    if previous is None:
+        return "would train"
+    summary, _ = rundir.verified_summary(previous, key)
+    status = (summary or {}).get("status")
+    where = os.path.relpath(previous) if previous.is_relative_to(Path.cwd()) else str(previous)
+    if status in records.ENDED_WELL:
+        return f"would reuse {where} ({status})"
+    if status == "diverged":
+        return f"would stop: this config diverged before in {where}"
+    if any((previous / "checkpoints").glob("step_*")):
+        return f"would resume from {where}/checkpoints"
+    return "would train"
+
+
+def _check_sweep(args, dry_run: bool) -> None:
+    """Every point of a sweep composed and checked before hydra.main starts anything (kdexp.config.multirun): a
+    refused point is one line naming the key, the value and the point, exit 2, and nothing is written or launched,
+    whatever the launcher. ``dry_run``: list the points (their overrides, and which would be reused) and exit,
+    0 when every point passed."""
+    other = [f for f, on in (("-cp/-cn/-cd", args.config_path or args.config_name or args.config_dir),
+                             ("--help", args.help or args.hydra_help), ("--cfg", args.cfg), ("--info", args.info),
+                             ("--shell-completion", args.shell_completion)) if on]
+    if other:
+        if dry_run:
+            print(f"kdexp: error: {DRY_RUN} cannot be combined with {other[0]}", file=sys.stderr)
+            raise SystemExit(2)
+        return
+    from kdexp.config import multirun
+    from kdexp.plan import refuse_if_too_big
+    from kdexp.track.sweep import global_rank
+
+    try:
+        sweep, points = multirun.check(args.overrides, args.multirun, describe=_would if dry_run else None,
+                                       in_process_checks=(refuse_if_too_big,), single=dry_run)
+    except Exception as err:  # noqa: BLE001 - Hydra's own errors: hydra.main reports them as it always does
+        if not dry_run:
+            return
+        print(f"kdexp: error: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}",
+              file=sys.stderr)
+        raise SystemExit(2) from None
+    refused = [p for p in points if p.refused is not None]
+    speak = global_rank() == 0
+    if dry_run:
+        if speak:
+            _print_points(sweep, points)
+        raise SystemExit(2 if refused else 0)
+    if not refused:
+        return
+    if speak:
+        by_line: dict = {}
+        for p in refused:
+            by_line.setdefault(p.refused, []).append(p)
+        for line, ps in by_line.items():
+            more = f"; also {', '.join(f'#{p.num}' for p in ps[1:])}" if len(ps) > 1 else ""
+            print(f"kdexp: error: {line} (sweep point #{ps[0].num} of {len(points)}: {' '.join(ps[0].overrides)}"
+                  f"{more}; nothing was started)", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _print_points(sweep, points) -> None:
+    what = (f"{len(points)} points, hydra/launcher={sweep.launcher_choice}" if sweep.multirun else "1 run (no -m)")
+    if sweep.multirun and sweep.points is None:
+        print("[dry-run] this sweep's hydra/sweeper chooses its points as results arrive: there is no list to show")
+        return
+    print(f"[dry-run] {what}; nothing was built, written or launched")
+    for p in points:
+        print(f"#{p.num} {' '.join(p.overrides) or '(defaults)'}: "
+              f"{p.note if p.refused is None else 'refused: ' + p.refused}")
+    bad = sum(p.refused is not None for p in points)
+    if bad:
+        print(f"[dry-run] {bad} of {len(points)} refused: the {'sweep' if sweep.multirun else 'run'} would not "
+              "start (exit 2)")
+
+
 def cli(argv: Optional[Sequence[str]] = None) -> None:
-    sys.argv[1:] = hydra_argv(sys.argv[1:] if argv is None else argv)
-    _known_overrides(_one_mode(sys.argv[1:]))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    dry_run = DRY_RUN in argv[:argv.index("--")] if "--" in argv else DRY_RUN in argv
+    if dry_run:
+        argv.remove(DRY_RUN)
+    sys.argv[1:] = hydra_argv(argv)
+    args = _one_mode(sys.argv[1:])
+    _known_overrides(args)
+    _check_sweep(args, dry_run)
     rundir.agree_on_stamp()
     try:
         main()

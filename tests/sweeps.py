@@ -80,9 +80,11 @@ def tiny_config(alpha: float, loss: str, arm: Optional[str] = None) -> dict:
 def run_tiny_sweep(sweep_dir: Path, *, cache_dir: Path, extra: tuple[str, ...] = (),
                    timeout: float = 1800) -> subprocess.CompletedProcess:
     """A real multirun of the tiny default: balancer.alpha=0.0,1.0 (two finished points) plus alpha=1.5, which the
-    config validation rejects inside the job, so the sweep also has a real failed point. Returns the process."""
+    config validation rejects inside the job, so the sweep also has a real failed point (started through
+    tests/_unchecked_run.py: ``python -m kdexp.run`` refuses such a sweep whole before it starts). Returns the
+    process."""
     env = {**os.environ, "KDEXP_CACHE": str(cache_dir), "WANDB_MODE": "disabled"}
-    cmd = [sys.executable, "-m", "kdexp.run", "-m", "experiment=smoke", "logger=none",
+    cmd = [sys.executable, str(REPO / "tests" / "_unchecked_run.py"), "-m", "experiment=smoke", "logger=none",
            "logger.tensorboard=true",  # tests/test_tensorboard.py serves this sweep's events
            "trainer.max_steps=4", "trainer.eval_interval=2", "trainer.eval_iters=1", "trainer.log_interval=1",
            "trainer.checkpoint_interval=4", "balancer.alpha=0.0,1.0,1.5", f"hydra.sweep.dir={sweep_dir}", *extra]

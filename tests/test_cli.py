@@ -283,17 +283,6 @@ def test_a_typo_never_runs_another_job(env, tmp_path, args, line):
     _nothing_built(env, tmp_path)
 
 
-def test_a_sweep_records_points_that_fail_validation_and_exits_1(env, tmp_path):
-    sweep_dir = tmp_path / "sweep"
-    r = kdexp(["trainer.seed=-1,-2", "-m", f"hydra.sweep.dir={sweep_dir}"], env, tmp_path)
-    assert r.returncode == 1, (r.stdout, r.stderr)
-    sweep = records.read_json(sweep_dir / records.SWEEP)
-    assert [p["status"] for p in sweep["points"]] == ["failed", "failed"]
-    for p, seed in zip(sweep["points"], (-1, -2)):
-        assert f"trainer.seed={seed} is invalid" in p["error"]
-    _nothing_built(env, tmp_path)
-
-
 # A stand-in for kdexp.train.run_point, to see what run.py makes of a diverged or crashed run without training.
 _FAKE_TRAIN = textwrap.dedent("""
     import sys, kdexp.train, kdexp.run

@@ -71,6 +71,30 @@ def test_every_group_option_and_the_choices_read_from_the_rules(page):
         assert f"allowed: {allowed}" in block, (key, block)
 
 
+def test_common_groups_first_presets_last_and_no_code_names(page):
+    groups = page.split("== Config groups", 1)[1].split("== Keys", 1)[0]
+    order = [line.split(":", 1)[0] for line in groups.splitlines() if line and not line.startswith(" ")]
+    assert order[:6] == ["model", "loss", "balancer", "teacher", "data", "trainer"], order
+    assert order[-2:] == ["experiment", "arm"], order
+    keys = page.split("== Keys", 1)[1].split("== Hydra flags ==", 1)[0]
+    heads = [line.split(":", 1)[0] for line in keys.splitlines() if line and not line.startswith(" ")]
+    assert [h.split(".")[0] for h in heads][:1] == ["model"] and heads.index("experiment_arm") > heads.index(
+        "trainer.seed"), heads
+    import re
+
+    assert not re.findall(r"one of [A-Z][A-Z_]+|: Any\b|\bNone\b", page.split("== Hydra flags ==", 1)[0])
+
+
+def test_model_keys_list_the_qwen3_sizes(page):
+    from kdexp.models.spec import QWEN3_SIZES
+
+    keys = page.split("== Keys", 1)[1]
+    for key in ("model.teacher", "model.student"):
+        block = keys.split(f"\n{key}:", 1)[1].split("\n", 2)[1]
+        listed = block.split("allowed: one of ", 1)[1].split(";", 1)[0].split(", ")
+        assert sorted(listed) == sorted(QWEN3_SIZES) and listed[:3] == ["0.6b", "1.7b", "4b"], (key, block)
+
+
 def test_hydra_help_is_still_hydras(page):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-m", "kdexp.run", "--hydra-help"], cwd=ROOT, env=env,

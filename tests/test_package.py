@@ -43,6 +43,15 @@ def test_wheel_contains_config_groups_and_launchers(wheel):
     assert not any(n.startswith(("conf/", "launchers/", "tests/")) for n in names)  # nothing outside the package
 
 
+def test_wheel_carries_the_apache_license(wheel):
+    z = zipfile.ZipFile(wheel)
+    (metadata,) = [n for n in z.namelist() if n.endswith(".dist-info/METADATA")]
+    assert "License-Expression: Apache-2.0" in z.read(metadata).decode().splitlines()
+    (license_file,) = [n for n in z.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+    text = z.read(license_file).decode()
+    assert text == (ROOT / "LICENSE").read_text() and "Apache License" in text and "Version 2.0, January 2004" in text
+
+
 @pytest.mark.slow
 def test_installed_package_runs_from_another_directory(wheel, tmp_path):
     target = tmp_path / "site"

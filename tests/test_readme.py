@@ -343,6 +343,17 @@ def check_plan(line, cwd, before, proc) -> None:
         assert f"fits trainer.gpu_memory_gb={line.split('gpu_memory_gb=')[1].split()[0]}" in proc.stdout
 
 
+def check_dry_run(line, cwd, before, proc) -> None:
+    """--dry-run: one line per point of the product asked, each saying what it would do, and nothing written."""
+    lines = proc.stdout.strip().splitlines()
+    swept = [value.split(",") for _, value in overrides(line) if "," in value]
+    n = len(list(itertools.product(*swept)))
+    assert lines[0].startswith(f"[dry-run] {n} points, ") and len(lines) == n + 1, proc.stdout
+    assert all(re.match(rf"#{i} .+: would (train|reuse|resume)", x) for i, x in enumerate(lines[1:])), proc.stdout
+    made = set(cwd.glob("outputs/*/*")) | set(p.parent for p in cwd.glob("multirun/*/*/sweep.json"))
+    assert made <= before, made - before
+
+
 def check_cfg(line, cwd, before, proc) -> None:
     _assert_config_has(yaml.safe_load(proc.stdout), overrides(line), line)
     assert not (cwd / "outputs").exists() or set(cwd.glob("outputs/*/*")) <= before  # printing runs nothing
@@ -356,7 +367,8 @@ def expect(line: str):
     module = next((words[i + 1] for i, w in enumerate(words[:-1]) if w == "-m" and words[i + 1].startswith("kdexp")),
                   None)
     if module == "kdexp.run":
-        return check_cfg if "--cfg" in words else check_sweep if "-m" in words[3:] else check_run
+        return check_cfg if "--cfg" in words else check_dry_run if "--dry-run" in words else \
+            check_sweep if "-m" in words[3:] else check_run
     return {"kdexp.report": check_report, "kdexp.bench.losses": check_loss_bench, "kdexp.bench.step": check_step_bench,
             "kdexp.bench.teacher": check_teacher_bench, "kdexp.bench.gpu": check_gpu_bench,
             "kdexp.launchers": check_site, "kdexp.plan": check_plan}.get(module)

@@ -9,30 +9,41 @@ chromium; the dev extra holds playwright).
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
+import shlex
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import time
 import urllib.request
+from collections import Counter
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
 from kdexp.track import records
 from kdexp.track.tensorboard import (EXPERIMENT_DIR, HPARAMS_METRICS, TensorBoardLogger, planned_hparams,
                                      session_hparams, write_experiment)
-from sweeps import checked_real_points, real_tiny_sweep
+from sweeps import REPO, checked_real_points, real_tiny_sweep
 
 # The events are written with tensorboardX; they are read back here with TensorBoard's own loader and served by its
 # own server (the `tensorboard` package is in the dev extra: a missing viewer fails these tests, it never skips them).
 
 
 def _events(path: Path) -> list:
-    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    """The events as written (TensorBoard's raw reader: its EventFileLoader would migrate simple values to tensors)."""
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
-    return [e for f in sorted(path.glob("events.out.tfevents.*")) for e in EventFileLoader(str(f)).Load()]
+    return [e for f in sorted(path.glob("events.out.tfevents.*")) for e in LegacyEventFileLoader(str(f)).Load()]
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", x))[0]
 
 
 def _plugin(event, tag) -> bytes:
@@ -87,13 +98,17 @@ def test_points_sessions_and_one_experiment(tmp_path):
         assert start.group_name == planned[i][0]
         end = metadata.parse_session_end_info_plugin_data(_plugin(events[-1], metadata.SESSION_END_INFO_TAG))
         assert end.status == (api_pb2.STATUS_SUCCESS if i == 0 else api_pb2.STATUS_FAILURE)
-        from tensorboard.util import tensor_util
-
-        scalars = {(v.tag, e.step): tensor_util.make_ndarray(v.tensor).item() for e in events for v in e.summary.value
+        # float32 simple values, as add_scalar writes them (the default loader serves nothing else): each is the
+        # logged float64 rounded to float32, computed here with struct (IEEE 754 single, round to nearest even)
+        assert all(v.WhichOneof("value") == "simple_value" for e in events for v in e.summary.value
+                   if v.tag.startswith(("train/", "val/")))
+        scalars = {(v.tag, e.step): v.simple_value for e in events for v in e.summary.value
                    if v.tag.startswith(("train/", "val/"))}
-        assert scalars == {("train/loss", 1): 3.0 + i, ("train/kept_mass", 1): 0.9,
-                           ("val/lm_loss", 2): 2.123456789012345 + i,  # float64: as logged, to the last digit
+        assert scalars == {("train/loss", 1): _f32(3.0 + i), ("train/kept_mass", 1): _f32(0.9),
+                           ("val/lm_loss", 2): _f32(2.123456789012345 + i),
                            ("val/top1_agreement", 2): 0.25}  # NaN not written; a final-only metric at the last step
+        assert scalars[("val/lm_loss", 2)] != 2.123456789012345 + i  # the precision float32 gives up ...
+        assert abs(scalars[("val/lm_loss", 2)] / (2.123456789012345 + i) - 1) < 2.0**-24  # ... within half an ulp
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -120,20 +135,54 @@ def _get(url: str, body: dict | None = None):
         return json.loads(r.read())
 
 
-# Every text of the page, shadow roots included (TensorBoard's HParams dashboard is Polymer: shadow DOM).
+# Every text of the page, shadow roots included (TensorBoard's HParams dashboard is Polymer: shadow DOM), styles not.
 DEEP_TEXT = """() => { const out = []; const walk = (n) => {
-  if (n.nodeType === 3) { const t = n.textContent.trim(); if (t) out.push(t); }
+  if (n.nodeType === 3) { const t = n.textContent.trim();
+    if (t && !['STYLE', 'SCRIPT'].includes(n.parentNode.nodeName)) out.push(t); }
   if (n.shadowRoot) walk(n.shadowRoot);
   for (const c of n.childNodes) walk(c); };
   walk(document.body); return out; }"""
+# The Time Series cards on the page: [card title, rows of its data table (run, smoothed, value, step, relative)]. A
+# filtered tag's card shows under "Tags matching filter" and again in its group below: any card of the tag will do.
+CARDS = """() => Array.from(document.querySelectorAll('scalar-card-component')).map(c => [
+  c.innerText.replace(/\\n/g, '').split('Alt + Scroll to Zoom')[0].trim(),
+  Array.from(c.querySelectorAll('tb-data-table-content-row')).map(r => Array.from(
+    r.querySelectorAll('tb-data-table-content-cell')).map(x => x.innerText.trim()).filter(x => x))])"""
+CARD_FILLED = f"""([tag, runs]) => ({CARDS})().some(c => c[0] === tag && runs.every(r => c[1].some(row => row[0] === r)))"""
+DOCS_TENSORBOARD = "tests/test_tensorboard.py::test_tensorboard_serves_the_sweep_and_renders_its_hparams"
+
+
+def docs_command() -> list[str]:
+    """The command docs/reports.md prints under the marker naming this test."""
+    text = (REPO / "docs" / "reports.md").read_text()
+    m = re.search(rf"<!-- covered: {re.escape(DOCS_TENSORBOARD)} -->\n```bash\n(.+?)\n```", text)
+    assert m, "docs/reports.md lost its TensorBoard command"
+    return shlex.split(m.group(1))
+
+
+def _curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """Tag -> [(step, value as float32)] of every finite metrics.jsonl value: what TensorBoard must serve."""
+    out: dict = {}
+    for line in (run_dir / records.METRICS).read_text().splitlines():
+        row = json.loads(line)
+        for key, value in row.items():
+            if key not in ("step", "kind") and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                    and math.isfinite(value):
+                out.setdefault(key, []).append((row["step"], _f32(value)))
+    return out
 
 
 @pytest.mark.slow
 def test_tensorboard_serves_the_sweep_and_renders_its_hparams(tmp_path_factory, tmp_path):
+    """TensorBoard started exactly as docs/reports.md prints it (its default, fast loader), only told where to listen:
+    through its data API every finished point's curves hold every metrics.jsonl row (float32) and every HParams
+    metric column is filled with the point's last value; in Chromium the Time Series card of every tag shows each
+    point, and the HParams table every metric column of every point."""
     sweep_dir, proc = real_tiny_sweep(tmp_path_factory)
     points = checked_real_points(sweep_dir, proc)
     finished = {a: p for a, p in points.items() if p["status"] == "finished"}
     runs = {Path(os.path.relpath(p["run_dir"], sweep_dir)).as_posix(): a for a, p in finished.items()}
+    curves = {run: _curves(finished[a]["run_dir"]) for run, a in runs.items()}
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     if browser is None:
         _need("Chromium is not installed (apt-get install -y chromium; .ci/run installs it)")
@@ -142,50 +191,88 @@ def test_tensorboard_serves_the_sweep_and_renders_its_hparams(tmp_path_factory, 
     except ImportError:
         _need("playwright is not installed (pip install -e '.[dev]')")
 
+    argv = docs_command()
+    assert argv[:2] == ["tensorboard", "--logdir"] and not any("load_fast" in a for a in argv), argv
+    tensorboard = Path(sys.executable).with_name("tensorboard")  # the console script pip installed beside python
+    argv = [str(tensorboard if tensorboard.is_file() else shutil.which("tensorboard")),
+            *(str(sweep_dir) if a == "multirun/<date>/<time-id>" else a for a in argv[1:])]
+    assert str(sweep_dir) in argv
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "tensorboard.log"
     with log.open("w") as out:
-        server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(sweep_dir),
-                                   "--host", "127.0.0.1", "--port", str(port), "--load_fast=false",
-                                   "--reload_interval", "1"], stdout=out, stderr=subprocess.STDOUT)
+        server = subprocess.Popen([*argv, "--host", "127.0.0.1", "--port", str(port)], stdout=out,
+                                  stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 240
-        while True:  # until TensorBoard answers and has read every finished point's run
+        while True:  # until TensorBoard answers and serves every finished point's every tag
             try:
-                if set(runs) <= set(_get(f"{url}/data/runs")):
+                tags = _get(f"{url}/data/plugin/scalars/tags")
+                if all(set(curves[run]) <= set(tags.get(run, {})) for run in runs):
                     break
             except OSError:
                 pass
             assert server.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(1)
-        # the data API: one experiment (the swept key, the metric columns), one session group per finished point
+        assert "fast data loading" in log.read_text()  # the default loader (tensorboard-data-server) serves them
+        # the data API: each curve as metrics.jsonl has it, in float32
+        for run, by_tag in curves.items():
+            for tag, rows in by_tag.items():
+                served = _get(f"{url}/data/plugin/scalars/scalars?run={quote(run)}&tag={quote(tag)}")
+                assert [(step, value) for _, step, value in served] == rows, (run, tag)
+        # one experiment (the swept key, the metric columns), one session group per finished point, every metric
+        # column filled with the last value of its curve
         experiment = _get(f"{url}/data/plugin/hparams/experiment", {"experimentName": ""})
         assert [h["name"] for h in experiment["hparamInfos"]] == ["balancer.alpha"]
         assert sorted(experiment["hparamInfos"][0]["domainDiscrete"]) == [0.0, 1.0, 1.5]
+        assert [m["name"]["tag"] for m in experiment["metricInfos"]] == list(HPARAMS_METRICS)
         groups = _get(f"{url}/data/plugin/hparams/session_groups", {
             "experimentName": "", "startIndex": 0, "sliceSize": 100, "colParams": [],
             "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS", "STATUS_FAILURE", "STATUS_RUNNING"]})
         by_alpha = {g["hparams"]["balancer.alpha"]: g for g in groups["sessionGroups"]}
         assert set(by_alpha) == set(finished)  # alpha=1.5 failed validation before it trained: no session
-        for alpha, point in finished.items():
+        expected_cells: list[float] = []
+        for run, alpha in runs.items():
             values = {m["name"]["tag"]: m["value"] for m in by_alpha[alpha]["metricValues"]}
-            for metric in ("val/lm_loss", "val/kl_to_teacher", "train/loss"):
-                assert values[metric] == pytest.approx(point["final"][metric], rel=1e-12), metric
-        # the browser: the HParams table lists every point (its name and swept value), then the parallel coordinates
+            last = {tag: rows[-1][1] for tag, rows in curves[run].items()}
+            assert values == {m: last[m] for m in HPARAMS_METRICS}, run
+            expected_cells += [alpha, *values.values()]
+        # the browser: a Time Series card per tag showing every point; the HParams table with every metric column
         with sync_playwright() as pw:
             chrome = pw.chromium.launch(executable_path=browser, headless=True,
                                         args=["--no-sandbox", "--disable-gpu"])
             try:
                 page = chrome.new_page(viewport={"width": 1400, "height": 1000})
+                page.goto(f"{url}/#timeseries", wait_until="networkidle")
+                search = page.locator('input[placeholder="Filter tags (regex)"]').first
+                for tag in sorted(set().union(*map(set, curves.values()))):
+                    search.fill(f"^{re.escape(tag)}$")  # what a user types to find a curve
+                    holders = sorted(run for run in runs if tag in curves[run])
+                    page.wait_for_function(CARD_FILLED, arg=[tag, holders], timeout=180_000)
+                    rows = next(c[1] for c in page.evaluate(CARDS)
+                                if c[0] == tag and all(any(r[0] == run for r in c[1]) for run in holders))
+                    for run in holders:  # the data table: the run's value at its last step
+                        (row,) = [r for r in rows if r[0] == run]
+                        assert int(row[3]) == curves[run][tag][-1][0], (tag, row)
+                page.screenshot(path=str(tmp_path / "time_series.png"))
                 page.goto(f"{url}/#hparams", wait_until="networkidle")
                 names = [f"balancer.alpha={a}" for a in ("0.0", "1.0")]
                 page.wait_for_function(f"() => ({DEEP_TEXT})().join('|').includes({json.dumps(names[-1])})",
                                        timeout=120_000)
+                for metric in HPARAMS_METRICS:  # the sidebar shows the first five metric columns; tick the rest
+                    box = page.get_by_role("checkbox", name=metric, exact=True)
+                    if box.get_attribute("aria-checked") != "true":
+                        box.click()
+                page.wait_for_function(f"() => ({DEEP_TEXT})().filter(t => t === {json.dumps(HPARAMS_METRICS[-1])})"
+                                       ".length >= 3", timeout=60_000)  # sidebar, color-by and the table header
                 texts = page.evaluate(DEEP_TEXT)
+                table = texts[texts.index("Trial ID"):texts.index("Color by")]
                 for name in names:
-                    assert any(t.startswith(name) for t in texts), (name, texts[:80])
-                assert "balancer.alpha" in texts and "val/kl_to_teacher" in texts
+                    assert any(t.startswith(name) for t in table), (name, table)
+                assert all(m in table for m in HPARAMS_METRICS), table
+                # every cell: the value as the table prints it (JavaScript's toPrecision(5), asked of the page)
+                cells = page.evaluate("vs => vs.map(v => v.toPrecision(5))", expected_cells)
+                assert not Counter(cells) - Counter(table), (cells, table)
                 page.screenshot(path=str(tmp_path / "hparams_table.png"))
                 page.get_by_text("Parallel Coordinates View", exact=False).first.click()
                 page.wait_for_function("() => { const f = (n) => { if (n.tagName === 'svg' && "
@@ -195,7 +282,7 @@ def test_tensorboard_serves_the_sweep_and_renders_its_hparams(tmp_path_factory, 
                                        "return f(document.body); }", timeout=60_000)
                 page.screenshot(path=str(tmp_path / "hparams_parallel.png"))
                 if os.environ.get("KDEXP_ARTIFACTS"):
-                    for shot in ("hparams_table.png", "hparams_parallel.png"):
+                    for shot in ("time_series.png", "hparams_table.png", "hparams_parallel.png"):
                         shutil.copy(tmp_path / shot, Path(os.environ["KDEXP_ARTIFACTS"]) / shot)
             finally:
                 chrome.close()

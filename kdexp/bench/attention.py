@@ -12,12 +12,12 @@ ratio sdpa/megatron <= 0.25 and time ratio <= 1.0. The last stdout line is one J
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
 import torch
+from kdexp.bench import parser
 
 GOALS = {"memory_ratio": 0.25, "time_ratio": 1.0}
 
@@ -88,11 +88,11 @@ def run(*, seq: int = 4096, batch: int = 1, repeats: int = 3, dtype: str = "floa
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap = parser(__spec__.name, __doc__.splitlines()[0])
+    ap.add_argument("--seq", type=int, default=4096, help="sequence length")
+    ap.add_argument("--batch", type=int, default=1, help="sequences per batch")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per path (the median is reported)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="activation dtype")
     ap.add_argument("--size", default="0.6b", help="a kdexp.models.QWEN3_SIZES name whose heads to use")
     args = ap.parse_args(argv)
     for key in ("seq", "batch", "repeats"):

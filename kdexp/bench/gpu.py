@@ -30,7 +30,6 @@ this machine has no CUDA GPU (the module imports on any machine).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -41,6 +40,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from kdexp.bench import parser
 
 LOSS_TOL = {"fp32": 1e-4, "bf16": 1e-3}  # max |kdexp - plain| per token: both compute in fp32 from the same inputs
 MODELOPT_TWIN = {"dense": "dense", "topk_renorm": "topk"}  # kdexp config -> ModelOpt loss computing the same value
@@ -140,19 +140,20 @@ def scale(args, fused_head: str) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__spec__.name, __doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=6, help="distillation steps per run")
     ap.add_argument("--tokens", type=int, default=2048, help="tokens of the loss benchmark")
     ap.add_argument("--vocab", type=int, default=151936, help="vocabulary of the loss benchmark")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--keep", type=Path, default=None, help="keep the runs in this directory (default: a temp dir)")
+    ap.add_argument("--repeats", type=int, default=5, help="timed repeats of the loss benchmark")
+    ap.add_argument("--keep", type=Path, default=None, help="keep the runs in this directory; unset: a temp dir")
     ap.add_argument("--scale-steps", type=int, default=50, help="KD steps at real shapes (0: skip that part)")
     ap.add_argument("--lm-steps", type=int, default=10, help="LM-only steps at real shapes")
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--micro", type=int, default=1)
-    ap.add_argument("--recompute", default="none", choices=("none", "selective", "full"))
-    ap.add_argument("--teacher", default="1.7b")
-    ap.add_argument("--student", default="0.6b")
+    ap.add_argument("--seq", type=int, default=4096, help="trainer.seq_length at real shapes")
+    ap.add_argument("--micro", type=int, default=1, help="trainer.micro_batch_size at real shapes")
+    ap.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
+                    help="trainer.recompute at real shapes")
+    ap.add_argument("--teacher", default="1.7b", help="model.teacher at real shapes (a Qwen3 size)")
+    ap.add_argument("--student", default="0.6b", help="model.student at real shapes (a Qwen3 size)")
     ap.add_argument("--attention", default="sdpa", choices=("sdpa", "megatron"), help="model.attention of every part")
     ap.add_argument("--fused-head", default="both", choices=("both", "auto", "true", "false"),
                     help="loss.fused_head of parts 2 and 3 (both: true, then false)")

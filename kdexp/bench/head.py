@@ -35,7 +35,6 @@ recompute_peak_vs_fp32_logits, recompute_time_ratio, the unfused numbers and the
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -47,6 +46,7 @@ from kdexp.bench.losses import StorageTimeline
 from kdexp.losses import logits_kd_loss
 from kdexp.losses.chunking import head_rows
 from kdexp.losses.head import ChunkLoss, fused_head_loss, teacher_head_logits
+from kdexp.bench import parser
 
 
 def _inputs(a):
@@ -121,20 +121,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--hidden", type=int, default=1024)
-    ap.add_argument("--teacher-hidden", type=int, default=2048)
-    ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--top-k", type=int, default=1024)
-    ap.add_argument("--teacher-scale", type=float, default=5.0)
+    ap = parser(__spec__.name, __doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens (rows of the logits)")
+    ap.add_argument("--hidden", type=int, default=1024, help="student hidden size")
+    ap.add_argument("--teacher-hidden", type=int, default=2048, help="teacher hidden size")
+    ap.add_argument("--vocab", type=int, default=151936, help="vocabulary size (Qwen3's)")
+    ap.add_argument("--top-k", type=int, default=1024, help="loss.top_k")
+    ap.add_argument("--teacher-scale", type=float, default=5.0,
+                    help="std of the random teacher logits (sets how peaked the teacher is)")
     ap.add_argument("--alpha", type=float, default=0.5, help="total = (1 - alpha) lm + alpha kd")
-    ap.add_argument("--chunk-tokens", type=int, default=None, help="default: kdexp.losses.chunking.head_rows")
+    ap.add_argument("--chunk-tokens", type=int, default=None, help="rows per chunk; unset: kdexp.losses.chunking.head_rows decides")
     ap.add_argument("--repeats", type=int, default=3,
                     help="timed rounds after the measured warm-up runs, the paths in turn within each round (0: time "
                          "the measured runs themselves)")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--modes", default="coeff,recompute")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads; unset: torch's default")
+    ap.add_argument("--modes", default="coeff,recompute", help="fused-head backward modes to time, comma-separated")
     a = ap.parse_args(argv)
     modes = [m for m in a.modes.split(",") if m]
     if not modes or any(m not in ("coeff", "recompute") for m in modes):

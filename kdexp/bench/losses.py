@@ -15,7 +15,6 @@ tens to hundreds of tokens, like an LM's), student = teacher + N(0, 1) * 2.
 
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import time
@@ -28,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from kdexp.losses import logits_kd_loss
+from kdexp.bench import parser
 
 CONFIGS = {
     "dense": dict(),
@@ -173,15 +173,16 @@ def measure(fn, s0, t, repeats: int):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--dtypes", default="fp32,bf16")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
-    ap.add_argument("--teacher-scale", type=float, default=5.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = parser(__spec__.name, __doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=512, help="tokens (rows of the logits)")
+    ap.add_argument("--vocab", type=int, default=151936, help="vocabulary size (Qwen3's)")
+    ap.add_argument("--dtypes", default="fp32,bf16", help="logit dtypes to time, comma-separated")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats (the median is reported)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="loss configurations to time, comma-separated")
+    ap.add_argument("--teacher-scale", type=float, default=5.0,
+                    help="std of the random teacher logits (sets how peaked the teacher is)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random logits")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = ap.parse_args(argv)
     if args.threads > 0:

@@ -17,7 +17,6 @@ LM-only student step (no teacher at all): the ratio is what distilling from the 
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import statistics
 import time
@@ -31,6 +30,7 @@ from kdexp.data import batches
 from kdexp.train.batches import batch_to
 from kdexp.train.loop import setup
 from kdexp.train.step import StepDriver
+from kdexp.bench import parser
 
 # teacher kind -> (what the baseline pays for the teacher, the KD step), the table's rows
 LABELS = {"online": ("teacher fwd + student fwd+bwd (LM)", "KD train step (teacher, student, KD+LM)"),
@@ -38,12 +38,12 @@ LABELS = {"online": ("teacher fwd + student fwd+bwd (LM)", "KD train step (teach
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap = parser(__spec__.name, __doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per variant (the median is reported)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     ap.add_argument("--versus", nargs="+", default=None, metavar="KEY=VALUE",
                     help="overrides of a second setup whose KD step is timed in the same rotation")
-    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("overrides", nargs="*", help="kdexp.run overrides of the setup (key=value, group=option)")
     args = ap.parse_intermixed_args(argv)  # options may follow the overrides (README lines + --steps N)
     if args.steps < 1 or args.warmup < 0:
         ap.error(f"--steps must be >= 1 and --warmup >= 0, got --steps {args.steps} --warmup {args.warmup}")

@@ -12,7 +12,6 @@ Pretraining time, if it happened, is printed too (``setup_s``: data + teacher + 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import time
@@ -24,6 +23,7 @@ import kdexp.config
 from kdexp import assets, distributed, models
 from kdexp.data import batches
 from kdexp.train.batches import batch_to
+from kdexp.bench import parser
 
 KS = (16, 64, 256, 1024)
 NUCLEUS_P = 0.95
@@ -82,8 +82,8 @@ def measure(teacher: torch.nn.Module, val_ds, *, samples: int, micro_batch_size:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--samples", type=int, default=64, help="validation sequences to measure (default 64)")
+    ap = parser(__spec__.name, __doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=64, help="validation sequences to measure")
     ap.add_argument("--json", default=None, help="also write the numbers (and the recipe) to this JSON file")
     ap.add_argument("--curve", type=int, default=0, metavar="N",
                     help="pretrain the embedded teacher here (no cache; always from scratch on the BPE trained on the "
@@ -92,7 +92,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--save", default=None, metavar="DIR",
                     help="with --curve: write the trained teacher there as a HF checkpoint (bfloat16 weights) with "
                          "its tokenizer and recipe.json: how kdexp/assets/teacher was made")
-    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("overrides", nargs="*", help="kdexp.run overrides of the setup (key=value, group=option)")
     args = ap.parse_intermixed_args(argv)  # options may follow the overrides
     if args.samples < 1:
         ap.error(f"--samples must be >= 1, got {args.samples}")

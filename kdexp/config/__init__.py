@@ -7,6 +7,8 @@
 - ``config_hash(cfg)``: the identity of a sweep point;
 - ``qwen3``: the Qwen3 shapes a run can name (``QWEN3_SIZES``), torch-free: the checks read them, kdexp.models builds
   from them.
+- ``multirun``: a sweep's points composed as Hydra will compose them, each checked before anything starts;
+- ``help``: the ``--help`` page, generated from the schema, the groups and the rules.
 """
 from kdexp.config.checks import check_launch, validate
 from kdexp.config.identity import config_hash

@@ -30,6 +30,8 @@ from typing import Any, Optional
 import yaml
 from omegaconf import MISSING, OmegaConf
 
+from kdexp.config.qwen3 import QWEN3_SIZES
+
 EXAMPLES = (
     ("one run (the embedded default with the Top-P loss, KD only)",
      "python -m kdexp.run loss=top_p loss.top_p=0.9 balancer.alpha=1.0"),
@@ -39,6 +41,10 @@ EXAMPLES = (
      "python -m kdexp.run -m loss=topk,top_p balancer.alpha=0.5,1.0 hydra/launcher=slurm_gpu parallel.tensor=8"),
 )
 HYDRA_LAUNCHER = "hydra/launcher"
+# The page's order: the groups a run is made of first, where it runs and logs next, presets and their arms last;
+# keys follow their group's place (parallel, launch and paths after trainer).
+GROUP_ORDER = ("model", "loss", "balancer", "teacher", "data", "trainer", "parallel", "logger", "launch", "paths",
+               HYDRA_LAUNCHER, "experiment", "experiment_arm", "arm")
 # Modules whose value rules name config keys: parsed for the "allowed" column.
 RULE_MODULES = {"kdexp.config.checks": "", "kdexp.config.sources": "", "kdexp.losses.options": None}
 WIDTH = 118
@@ -59,6 +65,14 @@ class Key:
     default: Any
     note: str
     allowed: str
+
+
+def model_names() -> list[str]:
+    """What model.teacher / model.student take: the real Qwen3 sizes, smallest first, then the embedded pair."""
+    def size(n: str) -> float:
+        return float(n[:-1]) if n[:-1].replace(".", "").isdigit() else 0.0
+
+    return sorted(QWEN3_SIZES, key=lambda n: (n.startswith("tiny"), size(n), n))
 
 
 def _conf_dir() -> Path:
@@ -102,7 +116,13 @@ def config_groups() -> dict[str, Group]:
         launcher.default = "basic"
     for group in groups.values():
         group.options.sort(key=lambda o: (o != group.default, o))
-    return groups
+    return {name: groups[name] for name in sorted(groups, key=_place)}
+
+
+def _place(name: str) -> tuple:
+    """Where a group (or a key, by its first part) goes on the page: GROUP_ORDER, then any other in name order."""
+    head = name if name == HYDRA_LAUNCHER else name.split(".")[0]
+    return (GROUP_ORDER.index(head) if head in GROUP_ORDER else GROUP_ORDER.index(HYDRA_LAUNCHER) - 0.5, name)
 
 
 # --- keys: the schema -------------------------------------------------------------------------------------------------
@@ -146,7 +166,19 @@ def _type_name(tp: Any) -> str:
         return f"{_type_name(next(a for a in args if a is not type(None)))} or null"
     if origin in (list, typing.List):
         return f"list of {_type_name(args[0])}" if args else "list"
+    if tp is Any:  # a key of several kinds (e.g. auto or a bool): its allowed values say which
+        return "value"
     return getattr(tp, "__name__", str(tp))
+
+
+def _plain(note: str, allowed: str) -> str:
+    """A field's comment as the page says it: null for Python's None, and no constant's name where the allowed
+    values already list them ("one of DIVERGENCES")."""
+    note = re.sub(r"\bNone\b", "null", note)
+    if allowed:
+        note = re.sub(r"(;\s*)?\bone of [A-Z][A-Z0-9_]+\b(;\s*)?", lambda m: "; " if m.group(1) and m.group(2) else "",
+                      note).strip()
+    return note
 
 
 def _value(x: Any) -> str:
@@ -183,12 +215,14 @@ def schema_keys() -> list[Key]:
                 continue
             name = f"{prefix}{f.name}"
             allowed = "; ".join(rules.get(name, []))
+            if name in ("model.teacher", "model.student"):
+                allowed = "one of " + ", ".join(model_names())
             if not allowed and tp is bool:
                 allowed = "true or false"
-            keys.append(Key(name, _type_name(tp), _default(f), _comment(cls, f.name), allowed))
+            keys.append(Key(name, _type_name(tp), _default(f), _plain(_comment(cls, f.name), allowed), allowed))
 
     walk(KdexpConfig, "")
-    return keys
+    return sorted(keys, key=lambda k: _place(k.name)[0])  # stable: the schema's order within a group
 
 
 # --- allowed values: the rules --------------------------------------------------------------------------------------

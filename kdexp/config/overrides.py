@@ -23,7 +23,7 @@ import typing
 from functools import cache
 from typing import Any, Iterable, Optional
 
-_PRIMARY = ("kdexp.conf", "config")  # hydra.main's config module and name in kdexp.run
+PRIMARY = ("kdexp.conf", "config")  # hydra.main's config module and name in kdexp.run
 
 
 def _fail(line: str) -> None:
@@ -116,7 +116,7 @@ class _Groups:
             from hydra import initialize_config_module
             from hydra.core.global_hydra import GlobalHydra
 
-            module, name = _PRIMARY
+            module, name = PRIMARY
             # the context restores Hydra's global state, so that hydra.main then starts as it would without this
             with initialize_config_module(module, version_base="1.3"):
                 loader = GlobalHydra.instance().config_loader()

@@ -18,8 +18,10 @@ from kdexp.losses.options import BalancerOptions, IntermediatePair, KDLossOption
 
 @dataclass
 class ModelConfig:
-    teacher: str = "tiny-teacher"  # a name in kdexp.config.qwen3.QWEN3_SIZES
-    student: str = "tiny-student"
+    # a Qwen3 size in kdexp.config.qwen3.QWEN3_SIZES (model=qwen3 sets 1.7b / 0.6b; a real size loads its weights from
+    # teacher_path / student_path), or the embedded tiny pair
+    teacher: str = "tiny-teacher"
+    student: str = "tiny-student"  # as model.teacher
     teacher_path: Optional[str] = None  # local HF checkpoint dir; required for real (non-tiny) teachers
     student_path: Optional[str] = None  # local HF checkpoint dir to start the student from; None = random init
     params_dtype: str = "float32"  # float32 | bfloat16

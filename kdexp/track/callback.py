@@ -129,7 +129,7 @@ class SweepCallback(Callback):
         if not is_multirun(config.hydra):
             return
         exc = job_exception(job_return)
-        line = faults.one_line(exc)  # a full disk, a read-only dir: one line naming the path and the cause
+        line = faults.one_line(exc)  # a full disk, a refused value: the single run's one line, no traceback
         if line is not None and global_rank() == 0:
             print(f"kdexp: error: {line}", file=sys.stderr, flush=True)
         elif exc is not None and line is None:  # every rank: the traceback goes to this task's log (submitit: one

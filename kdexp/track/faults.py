@@ -5,7 +5,8 @@ temp file then renamed, metrics.jsonl drops a half-written line, a checkpoint st
 
 - `disk_fault(exc)` finds such an OSError anywhere in an exception's chain (torch.save turns ENOSPC into a
   RuntimeError "unexpected pos" whose context is the OSError);
-- `one_line(exc)`: that line for an exception (a sweep records it as the point's error and prints it: kdexp.track);
+- `one_line(exc)`: that line for an exception, and a ConfigError's (a sweep records it as the point's error and
+  prints it: kdexp.track);
 - `ending(exc)`: the one decision of how a single run that raised `exc` ends (exit status, one line or a traceback,
   what its error.log gets), read by kdexp.run and kdexp.train's run_point;
 - `writing(path)` names the path on an OSError that has none (a failed ``write()`` carries no file name);
@@ -92,9 +93,13 @@ def ending(exc: BaseException) -> Ending:
 
 
 def one_line(exc: Optional[BaseException]) -> Optional[str]:
-    """`describe` of the disk fault in `exc`'s chain (a single run's line, a sweep point's error), else None."""
+    """The line a single run prints instead of a traceback (after ``kdexp: error: ``), which a sweep point that
+    raised `exc` prints and records as its error too: `describe` of the disk fault in `exc`'s chain, or the message
+    of a ``ConfigError`` (a value only the prepared data or the teacher cache shows wrong); None for anything else."""
     fault = disk_fault(exc)
-    return None if fault is None else describe(fault)
+    if fault is not None:
+        return describe(fault)
+    return str(exc) if isinstance(exc, ConfigError) else None
 
 
 @contextlib.contextmanager

@@ -1,8 +1,9 @@
 """The one place kdexp relies on Hydra internals (Hydra 1.3): planning a sweep's points and a job's outcome.
 
 Private APIs used here, and nowhere else:
-  - ``hydra._internal.core_plugins.basic_sweeper.BasicSweeper.split_arguments`` and the override parser, to list
-    the points the basic sweeper will launch before it launches them (sweep.json starts with every point pending);
+  - the basic sweeper's expansion of a sweep into points (kdexp.config.multirun.expand, which the submitting process
+    also uses to check every point first), to list them before they launch (sweep.json starts with every point
+    pending);
   - ``JobReturn._return_value``: the exception of a failed job (the public ``return_value`` re-raises it).
 
 What Hydra 1.3 does with a failing job, and why SweepCallback acts in on_job_end (read from hydra/core/utils.py,
@@ -49,18 +50,16 @@ def current_job() -> Optional[Any]:
 
 
 def plan_points(hydra_cfg: Any) -> Optional[list[list[str]]]:
-    """The overrides of every point the basic sweeper will launch, in job-number order; None when unknown
-    (another sweeper, or sweep syntax that needs the config repository such as glob())."""
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+    """The overrides of every point the basic sweeper will launch, in job-number order (kdexp.config.multirun.expand,
+    the expansion the submitting process checked); None when unknown (another sweeper, or sweep syntax that needs the
+    config repository such as glob())."""
+    from kdexp.config.multirun import BASIC_SWEEPER, expand
 
     sweeper = hydra_cfg.get("sweeper", {}) or {}
-    if not str(sweeper.get("_target_", "")).endswith("BasicSweeper"):
+    if not str(sweeper.get("_target_", "")).endswith(BASIC_SWEEPER):
         return None
-    args = [f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()] + list(hydra_cfg.overrides.task)
     try:
-        parsed = OverridesParser.create().parse_overrides(args)
-        return [list(p) for batch in BasicSweeper.split_arguments(parsed, None) for p in batch]
+        return expand(sweeper.get("params"), hydra_cfg.overrides.task)
     except Exception:  # noqa: BLE001 - planning is best effort; the points still appear when they start
         return None
 

@@ -69,8 +69,8 @@ def record_failure(run_dir: str | Path, exc: BaseException) -> Optional[dict]:
         return None
     run_dir = Path(run_dir)
     line = faults.one_line(exc)
-    if line is not None:  # a full disk, a read-only dir: the one line, not a traceback; that disk may not take it
-        return _record_disk_fault(run_dir, line)
+    if line is not None:  # a full disk, a refused value: the one line, not a traceback; that disk may not take it
+        return _record_line(run_dir, line)
     summary = records.read_json(run_dir / records.SUMMARY)
     diverged = records.ended_status(summary) == "diverged"
     what = "point diverged" if diverged else "point failed"
@@ -83,7 +83,7 @@ def record_failure(run_dir: str | Path, exc: BaseException) -> Optional[dict]:
     return record_point(run_dir, "failed", error=f"{type(exc).__name__}: {exc}", ended=records.now())
 
 
-def _record_disk_fault(run_dir: Path, line: str) -> dict:
+def _record_line(run_dir: Path, line: str) -> dict:
     """point.json "failed" with `line` as its error (and error.log / run.log), as far as the disk takes them; the
     entry is returned either way, so that the sweep's output carries the line (kdexp.track.callback)."""
     point = {"run_dir": str(run_dir), "status": "failed", "error": line}

@@ -14,9 +14,12 @@ writes its session with all its overrides, and TensorBoard derives the experimen
 
 Events are written with tensorboardX's event-file writer and protos (numpy + protobuf: small enough for an offline
 node's wheelhouse; the tensorboard package, a server with grpcio and a data-server binary, is only needed to view
-them). The summaries are the ones tensorboard's own writers emit: scalars as float64 tensors of the "scalars" plugin
-(torch.utils.tensorboard's new_style/double_precision form), HParams as tensorboard.plugins.hparams.summary_v2 builds
-them (experiment config with discrete domains, session start with group name and start time, session end).
+them). The summaries are the ones TensorBoard's own writers emit by default, so that ``tensorboard --logdir`` with
+its default (fast) loader serves them: scalars as float32 ``simple_value`` (what ``add_scalar`` writes), HParams as
+tensorboard.plugins.hparams.summary_v2 builds them (experiment config with discrete domains, session start with group
+name and start time, session end); the HParams metric columns are the last value of those scalars. float32 keeps about
+7 significant digits (a value is rounded to within 6e-8 of itself, relative; beyond 3.4e38 it becomes inf):
+metrics.jsonl and summary.json keep the exact float64 values, and the reports read those.
 """
 from __future__ import annotations
 
@@ -107,16 +110,12 @@ def _plugin_value(tag: str, plugin: str, content: bytes, tensor):
     return Summary(value=[Summary.Value(tag=tag, metadata=meta, tensor=tensor)])
 
 
-def _tensor(values: list[float], dtype: str):
+def _empty_float_tensor():
     from tensorboardX.proto.tensor_pb2 import TensorProto
     from tensorboardX.proto.tensor_shape_pb2 import TensorShapeProto
     from tensorboardX.proto.types_pb2 import DataType
 
-    shape = TensorShapeProto(dim=[TensorShapeProto.Dim(size=0)]) if not values else TensorShapeProto()
-    kind = DataType.Value(dtype)
-    if kind == DataType.Value("DT_DOUBLE"):
-        return TensorProto(dtype=kind, tensor_shape=shape, double_val=values)
-    return TensorProto(dtype=kind, tensor_shape=shape, float_val=values)
+    return TensorProto(dtype=DataType.Value("DT_FLOAT"), tensor_shape=TensorShapeProto(dim=[TensorShapeProto.Dim(size=0)]))
 
 
 def _hparams_summary(tag: str, **data):
@@ -125,12 +124,16 @@ def _hparams_summary(tag: str, **data):
     from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
 
     content = HParamsPluginData(version=_HPARAMS_VERSION, **data).SerializeToString()
-    return _plugin_value(tag, _HPARAMS_PLUGIN, content, _tensor([], "DT_FLOAT"))
+    return _plugin_value(tag, _HPARAMS_PLUGIN, content, _empty_float_tensor())
 
 
 def _scalar_summary(tag: str, value: float):
-    """A scalar as torch.utils.tensorboard writes it with new_style=True, double_precision=True."""
-    return _plugin_value(tag, "scalars", b"", _tensor([value], "DT_DOUBLE"))
+    """A scalar as TensorBoard's own writers emit it by default (tensorboardX / torch.utils.tensorboard
+    ``add_scalar``): a float32 ``simple_value``, which every TensorBoard loader serves, the default fast one
+    (tensorboard-data-server) included; it does not serve float64 scalar tensors."""
+    from tensorboardX.proto.summary_pb2 import Summary
+
+    return Summary(value=[Summary.Value(tag=tag, simple_value=value)])
 
 
 def _experiment_pb(planned: dict[str, list[Any]]):
