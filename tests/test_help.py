@@ -86,7 +86,7 @@ def test_common_groups_first_presets_last_and_no_code_names(page):
 
 
 def test_model_keys_list_the_qwen3_sizes(page):
-    from kdexp.models.spec import QWEN3_SIZES
+    from kdexp.config.qwen3 import QWEN3_SIZES
 
     keys = page.split("== Keys", 1)[1]
     for key in ("model.teacher", "model.student"):
