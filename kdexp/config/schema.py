@@ -50,7 +50,7 @@ class LossConfig(KDLossOptions, SampledKDOptions):
     (samples, proposal_temperature: set by loss=sampled), the hidden-state pairs, plus the option's name. The run's
     default is Top-K 1024 with a ghost token (logits_kd_loss's own default is dense)."""
 
-    name: str = "topk"
+    name: str = "topk"  # the loss=<name> option (kdexp.losses.options.LOSS_NAMES: the one table of loss names)
     top_k: Optional[int] = 1024
     # Hidden-state losses, e.g. [{student: 3, teacher: 11, kind: cosine}] (kdexp.losses.options.IntermediatePair).
     intermediate: List[IntermediatePair] = field(default_factory=list)
