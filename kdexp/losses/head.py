@@ -102,9 +102,10 @@ def fused_head_loss(hidden: torch.Tensor, weight: torch.Tensor, loss_fn: Callabl
     hidden [n, H] (the full token set of this rank), weight [V_local, H] (this rank's vocabulary shard; tied
     embedding allowed), token_weight [n] (mask / denom). loss_fn(z [c, V_local], rows) -> ChunkLoss, with z in the
     weight's dtype. coefficients: (w_kd, w_lm) when total = w_kd * kd + w_lm * lm (gradients in the forward pass);
-    None: recompute in backward. chunk_tokens: tokens per chunk (default: kdexp.losses.chunking.head_rows). vocab_size (optional,
-    the padded global vocabulary): checked against weight's rows times the TP size of tp_group; tp_group is used
-    for that check and to agree on the chunk size, never for the hidden-state gradient (see tp_copy).
+    None: recompute in backward. chunk_tokens: tokens per chunk (default: kdexp.losses.chunking.head_rows).
+    vocab_size (optional, the padded global vocabulary): checked against weight's rows times the TP size of
+    tp_group; tp_group is used for that check and to agree on the chunk size, never for the hidden-state gradient
+    (see tp_copy).
     """
     _check_head(hidden, weight, "hidden", "weight")
     n = hidden.shape[0]
@@ -204,7 +205,8 @@ class _Grads:
     def __init__(self, hidden, weight, need_h: bool, need_w: bool):
         self.weight_dtype = weight.dtype
         self.h = torch.empty_like(hidden) if need_h else None
-        self.w = torch.zeros(weight.shape, dtype=accumulation_dtype(weight.dtype), device=weight.device) if need_w else None
+        acc = accumulation_dtype(weight.dtype)
+        self.w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
 
     def add(self, r: slice, gz: torch.Tensor, hidden_c: torch.Tensor, weight: torch.Tensor) -> None:
         if self.h is not None:
