@@ -53,6 +53,22 @@ def test_the_documented_term_matches_its_formula(registered):
     assert out.lm is None and out.stats is None and term.fuses_lm is False
 
 
+def test_the_config_checks_accept_a_name_only_once_it_is_registered(registered, monkeypatch, tmp_path):
+    """register_loss adds the name to the one table of loss names (kdexp.losses.options.LOSS_NAMES) that validate()
+    reads: refused before, accepted after."""
+    from hydra import compose, initialize_config_module
+
+    import kdexp.config
+
+    monkeypatch.setenv("KDEXP_CACHE", str(tmp_path))
+    with initialize_config_module(config_module="kdexp.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["experiment=smoke", "logger=none", "loss.name=logit_mse"])
+    kdexp.config.validate(cfg)
+    del LOSS_NAMES["logit_mse"]
+    with pytest.raises(ValueError, match=r"^loss\.name='logit_mse' is invalid: must be one of "):
+        kdexp.config.validate(cfg)
+
+
 @pytest.mark.slow
 def test_a_registered_loss_trains_a_smoke_run(registered, tmp_path, monkeypatch):
     from hydra import compose, initialize_config_module

@@ -7,7 +7,7 @@ output projection) with a Qwen3 size's heads (0.6B: 16 query heads over 8 kv hea
 core attention from the same weights, on the same input. Peak memory is the peak of the tensor storages the
 forward + backward creates (kdexp.bench.losses.PeakTensorMemory: what an allocator must hold, on the CPU or a GPU),
 measured on the first call after megatron's global score buffer is dropped, so that buffer counts; time is the
-median of `--repeats` calls, the two variants alternating so machine noise hits both alike. Goals (issue 24): memory
+median of `--repeats` calls, the two variants alternating so machine noise hits both alike. Goals: memory
 ratio sdpa/megatron <= 0.25 and time ratio <= 1.0. The last stdout line is one JSON object.
 """
 from __future__ import annotations

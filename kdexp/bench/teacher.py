@@ -27,7 +27,7 @@ from kdexp.bench import parser
 
 KS = (16, 64, 256, 1024)
 NUCLEUS_P = 0.95
-# What "peaked like a real LM" means for the embedded default's teacher (issue 11), on its validation split; the
+# What "peaked like a real LM" means for the embedded default's teacher, on its validation split; the
 # shipped teacher meets it (tests/test_readme.py runs this bench on it).
 MAX_LM_LOSS, MIN_TOP1, MAX_NUCLEUS = 4.0, 0.30, 512
 

@@ -36,10 +36,8 @@ class ModelConfig:
     # shipped with the package with its tokenizer (kdexp/assets/teacher); `pretrain` pretrains one here with the
     # recipe below, once per cache (kdexp.train.teacher).
     embedded_teacher: str = "shipped"  # shipped | pretrain
-    # model.embedded_teacher=pretrain: the tiny teacher is pretrained on the corpus once, then cached.
-    # Chosen by measurement (docs/benchmarks.md, python -m kdexp.bench.teacher --curve): at the same
-    # CPU cost, 600 steps of 4 samples (val LM loss 4.76, top-1 0.17, median nucleus 714) beat 300 steps of 8 at a 3x
-    # higher peak LR, 1e-2 (5.28, 0.10, 798); twice the first recipe's 300 steps, pretrained once per cache.
+    # model.embedded_teacher=pretrain: the tiny teacher is pretrained on the corpus once, then cached. The recipe is
+    # the best of those compared at the same CPU cost (docs/benchmarks.md, python -m kdexp.bench.teacher --curve).
     teacher_pretrain_steps: int = 600
     teacher_pretrain_lr: float = 3e-3
     teacher_pretrain_min_lr: float = 3e-4  # cosine floor after the warmup
@@ -54,13 +52,13 @@ class LossConfig(KDLossOptions, SampledKDOptions):
     (samples, proposal_temperature: set by loss=sampled), the hidden-state pairs, plus the option's name. The run's
     default is Top-K 1024 with a ghost token (logits_kd_loss's own default is dense)."""
 
-    name: str = "topk"
+    name: str = "topk"  # the loss=<name> option (kdexp.losses.options.LOSS_NAMES: the one table of loss names)
     top_k: Optional[int] = 1024
     # Hidden-state losses, e.g. [{student: 3, teacher: 11, kind: cosine}] (kdexp.losses.options.IntermediatePair).
     intermediate: List[IntermediatePair] = field(default_factory=list)
     # The output layer fused into the objective (kdexp.losses.head): logits formed chunk by chunk from the final
     # hidden states, never [tokens, vocab] at once; false: the models' whole logits (the reference path); auto: fused
-    # where one micro-batch's fp32 logits per TP rank take 64 MiB or more (kdexp.losses.head.fuses_by_default: the
+    # where one micro-batch's fp32 logits per TP rank take 64 MiB or more (kdexp.losses.head.uses_fused_head: the
     # Qwen3 presets, not the tiny ones).
     fused_head: Any = "auto"
 
@@ -73,8 +71,9 @@ class BalancerConfig(BalancerOptions):
 @dataclass
 class DataConfig:
     name: str = "stdlib"  # stdlib | indexed
-    # stdlib: size of the BPE trained on the corpus. 2,048 rather than 4,096: over twice the vocabulary the tiny
-    # teacher's tail stays flat (its 0.95-nucleus was ~2,000 tokens), far from a real LM's tens of tokens.
+    # stdlib: size of the BPE trained on the corpus. 2,048 rather than 4,096: over a larger vocabulary the tiny
+    # teacher's tail stays flat (docs/benchmarks.md: a 0.95-nucleus of half the vocabulary at 4,096), far from a
+    # real LM's tens of tokens.
     vocab_size: int = 2048
     max_chars: int = 4_000_000  # stdlib: cap on the embedded corpus
     val_fraction: float = 0.03

@@ -1,7 +1,7 @@
 """The ONLY place that answers megatron-core's CUDA assumptions, and only when CUDA is absent.
 
 megatron-core 0.16.1 is written for GPUs. With the local layer spec (no Transformer Engine, no apex) a GPTModel
-runs forward and backward on CPU over gloo once exactly three assumptions are answered:
+runs forward and backward on CPU over gloo once these five assumptions are answered:
 
 1. ``torch.cuda.current_device()``: megatron allocates with ``device=torch.cuda.current_device()`` in many places
    (RotaryEmbedding.get_emb moves ``inv_freq`` there on the first forward; GlobalMemoryBuffer.get_tensor holds the
@@ -17,7 +17,6 @@ runs forward and backward on CPU over gloo once exactly three assumptions are an
 3. The default causal mask (transformer/utils.get_default_causal_mask, bound by name into fusions/fused_softmax.py)
    is built with ``device="cuda"`` when no attention mask is passed. kdexp.models always passes an explicit mask;
    the patch makes an accidental ``attention_mask=None`` correct instead of a crash.
-
 4. Activation recompute (trainer.recompute): megatron's CheckpointFunction saves and restores the CUDA generator's
    state next to the CPU one (tensor_parallel/random._get_all_rng_states / _set_all_rng_states). Without CUDA there
    is no CUDA generator: the CPU state and the tracker's states (ours, on the CPU generator) are all there is, so the

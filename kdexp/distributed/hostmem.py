@@ -8,9 +8,6 @@ first-touches those pages again: thousands of page faults per step, each zeroing
 end by preloading jemalloc or tcmalloc). The cost: the process keeps its peak heap instead of returning it, which a
 training process reaches every step anyway.
 
-Measured on the embedded default (bench.step, 3 alternating runs each): the cached Top-K KD step vs the LM-only step
-1.121-1.128 -> 1.086-1.104, and both steps faster (LM-only 74-76 -> 72-74 ms).
-
 Applied by kdexp.distributed.initialize on CPU runs only (a GPU run's large buffers are device memory). Skipped
 when the environment already sets glibc's own knobs (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_, or the
 glibc.malloc tunables), when KDEXP_HOST_MALLOC=0, or when the C library is not glibc.

@@ -29,9 +29,8 @@ def exp_floor(dtype: torch.dtype) -> float:
     -40 in float32, -80 in float64. Each floored entry adds at most exp(floor) to a sum >= 1: 4.2e-18 (float32, eps
     6e-8) and 1.8e-35 (float64, eps 1e-16) per entry, below the sum's rounding even for 152k entries. Why not lower
     in float32: the held exps (kdexp.losses._autograd) are multiplied by the gradient's per-row factor, and
-    exp(-80) = 1.8e-35 times a factor below 1e-3 is a subnormal float32, whose arithmetic is as slow as the exp's own
-    slow path (measured: that backward took 6.9 ms instead of 2.2 ms in a train step, at the step's 1/tokens loss
-    scale)."""
+    exp(-80) = 1.8e-35 times a factor below 1e-3 (the train step's 1/tokens loss scale gives such factors) is a
+    subnormal float32, whose arithmetic is as slow as the exp's own slow path."""
     return -80.0 if dtype == torch.float64 else -40.0
 
 
@@ -185,7 +184,7 @@ def load_(buf: torch.Tensor, raw: torch.Tensor, temperature: float, centre: torc
         if raw.dtype == buf.dtype:
             torch.sub(raw, centre[:, None], out=dst)  # one pass
         else:
-            dst.copy_(raw).sub_(centre[:, None])  # a mixed-dtype (bf16 - fp32) sub is ~10x slower on CPU
+            dst.copy_(raw).sub_(centre[:, None])  # a mixed-dtype (bf16 - fp32) sub has no fast CPU kernel
         dst.div_(temperature)
         offset = None
     else:
@@ -213,7 +212,7 @@ def dense_chunks(student: torch.Tensor, teacher: torch.Tensor, rows: int, temper
 
 def mask_at_(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """x[r, idx[r, j]] = -inf in place (the kept set out of a chunk). From an expanded -inf tensor, not the scalar
-    overload: the same writes, ~3x faster on CPU (1M entries: 0.54 ms against 1.64 ms)."""
+    overload: the same writes, and the expanded source takes torch's faster CPU scatter path."""
     return x.scatter_(1, idx, x.new_full((), -math.inf).expand(idx.shape))
 
 
@@ -265,7 +264,7 @@ def masked_lse_(x: torch.Tensor, shard: Shard, offset: torch.Tensor | None = Non
     if temperature != 1.0:
         x.div_(temperature)
     # exp of -inf (the mask) or of anything below ~-87 (a zero or subnormal result) takes a slow path on x86 CPUs,
-    # 2.5x-20x the time of a normal exp. Clamped at the floor each such entry adds exp(floor) to a sum >= 1 (the
+    # several times the cost of a normal exp. Clamped at the floor each such entry adds exp(floor) to a sum >= 1 (the
     # max term is exp(0)): far below its rounding, so the sum is unchanged; a row with nothing outside S stays -inf
     # through `fin`.
     top = mm if offset is None else mm - offset

@@ -24,7 +24,8 @@ LOGIT_MAX_BYTES = 64 * _MiB
 # accumulation-dtype logits, within [MIN_CHUNK_BYTES, MAX_CHUNK_BYTES]. About three chunk-sized tensors are live at
 # once (the student chunk, its gradient, the online teacher's chunk), so the head's working set is at most ~3/20 of
 # the full logits. Each chunk's matmuls stream the whole output weight, so taller chunks are faster, and heights that
-# are a multiple of CHUNK_ALIGN rows run at the BLAS's full speed (docs/benchmarks.md, the fused head).
+# are a multiple of CHUNK_ALIGN rows run at the BLAS's full speed (docs/objective.md measures both with
+# python -m kdexp.bench.head).
 CHUNK_FRACTION = 20
 CHUNK_ALIGN = 16
 MIN_CHUNK_BYTES = 4 * _MiB

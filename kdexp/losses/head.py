@@ -40,8 +40,8 @@ _MiB = 1 << 20
 # loss.fused_head=auto (the default): the fused head wherever one micro-batch's float32 logits on a TP rank,
 # [tokens, V/tp], would take at least AUTO_MIN_LOGITS_BYTES. Above it the logits are what the head saves: at real
 # scale 1.16 GiB per model per GPU (docs/scale.md), at Qwen3's vocabulary from 111 tokens per rank on. Below it they
-# are small and the chunk loop's fixed costs show: the embedded default's 8 MiB logits train 1.1-1.2x slower fused
-# on a CPU (docs/objective.md).
+# are small and the chunk loop's fixed costs show: the embedded default's 8 MiB logits train slower fused on a CPU
+# (docs/objective.md measures it, with the command).
 AUTO_MIN_LOGITS_BYTES = 64 * _MiB
 # How far the upstream gradients may be from proportional to `coefficients` before the backward recomputes.
 PROPORTIONAL_RTOL = 1e-5
@@ -102,9 +102,10 @@ def fused_head_loss(hidden: torch.Tensor, weight: torch.Tensor, loss_fn: Callabl
     hidden [n, H] (the full token set of this rank), weight [V_local, H] (this rank's vocabulary shard; tied
     embedding allowed), token_weight [n] (mask / denom). loss_fn(z [c, V_local], rows) -> ChunkLoss, with z in the
     weight's dtype. coefficients: (w_kd, w_lm) when total = w_kd * kd + w_lm * lm (gradients in the forward pass);
-    None: recompute in backward. chunk_tokens: tokens per chunk (default: kdexp.losses.chunking.head_rows). vocab_size (optional,
-    the padded global vocabulary): checked against weight's rows times the TP size of tp_group; tp_group is used
-    for that check and to agree on the chunk size, never for the hidden-state gradient (see tp_copy).
+    None: recompute in backward. chunk_tokens: tokens per chunk (default: kdexp.losses.chunking.head_rows).
+    vocab_size (optional, the padded global vocabulary): checked against weight's rows times the TP size of
+    tp_group; tp_group is used for that check and to agree on the chunk size, never for the hidden-state gradient
+    (see tp_copy).
     """
     _check_head(hidden, weight, "hidden", "weight")
     n = hidden.shape[0]
@@ -180,8 +181,8 @@ def _chunks(n: int, rows: int):
 def _logits(hidden_c: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """hidden_c @ weight.T in the weight dtype (as megatron's ColumnParallelLinear output layer). On CPU as
     (weight @ hidden_c.T).T made contiguous: MKL runs the [V, H] x [H, c] shape at the speed of one full-size
-    matmul while a [c, H] x [H, V] one with c ~ 64 rows took 1.5-2.5x as long (measured at V 37,984, H 2,048); the
-    transpose copy is one pass over the chunk."""
+    matmul, and a [c, H] x [H, V] one with a short chunk (tens of rows) well below it; the transpose copy is one
+    pass over the chunk."""
     if hidden_c.device.type == "cpu":
         return torch.mm(weight, hidden_c.T).T.contiguous()
     return hidden_c @ weight.T
@@ -204,7 +205,8 @@ class _Grads:
     def __init__(self, hidden, weight, need_h: bool, need_w: bool):
         self.weight_dtype = weight.dtype
         self.h = torch.empty_like(hidden) if need_h else None
-        self.w = torch.zeros(weight.shape, dtype=accumulation_dtype(weight.dtype), device=weight.device) if need_w else None
+        acc = accumulation_dtype(weight.dtype)
+        self.w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
 
     def add(self, r: slice, gz: torch.Tensor, hidden_c: torch.Tensor, weight: torch.Tensor) -> None:
         if self.h is not None:

@@ -168,14 +168,16 @@ LOSSES: dict[tuple[str, str], Callable] = {
     ("logit", "online"): lambda o, t: LogitTerm(o.kd),
     ("logit", "cached"): lambda o, t: CachedLogitTerm(o.kd, _check_record(t.cache, "topk", o.sampled)),
     ("sampled", "online"): lambda o, t: SampledTerm(o.kd, o.sampled),
-    ("sampled", "cached"): lambda o, t: CachedSampledTerm(o.kd, o.sampled, _check_record(t.cache, "sampled", o.sampled)),
+    ("sampled", "cached"): lambda o, t: CachedSampledTerm(o.kd, o.sampled,
+                                                          _check_record(t.cache, "sampled", o.sampled)),
 }
 
 
 def register_loss(name: str, factory: Callable, teachers=("online",)) -> None:
     """Register a loss: conf/loss/<name>.yaml sets `name: <name>`; `factory(loss, teacher_source)` returns its
-    KDTerm (`loss`: the run's LossOptions, `loss.cfg` its config node). `teachers`: the teacher kinds it serves ("online", "cached"). The name joins the one table of loss names
-    (kdexp.losses.options.LOSS_NAMES), so that the config checks accept it."""
+    KDTerm (`loss`: the run's LossOptions, `loss.cfg` its config node). `teachers`: the teacher kinds it serves
+    ("online", "cached"). The name joins the one table of loss names (kdexp.losses.options.LOSS_NAMES), so that the
+    config checks accept it."""
     register_loss_name(name, family=name)
     for kind in teachers:
         LOSSES[(name, kind)] = factory

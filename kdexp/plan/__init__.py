@@ -1,6 +1,6 @@
 """kdexp.plan: what one run needs per GPU before it launches (memory item by item, FLOPs, an MFU-based tokens/s).
 
-    python -m kdexp.plan [--gpus N] [--mfu 0.35] [--distributed-optimizer] [--json] [overrides ...]
+    python -m kdexp.plan [--gpus N] [--mfu 0.35] [--json] [--max-micro] [overrides ...]
 
 ``make_plan(cfg)`` reads the composed config (model shapes, trainer.micro_batch_size / seq_length /
 global_batch_size / precision / recompute, parallel.tensor / sequence, the loss and balancer) and needs no weights,

@@ -2,8 +2,8 @@
 
 submitit's LocalExecutor starts every job of a sweep at once and has no array parallelism (SLURM's ``--array=%N``).
 On a laptop or this 2-core box that means N points x torch's default thread count on a few cores: 12 points of
-`experiment=qwen3_before_after` ran at ~21 s a step instead of ~0.25 s (OpenMP threads spinning against each other),
-an hour for what runs in minutes one after another.
+`experiment=qwen3_before_after` run each step many times slower than one point alone (OpenMP threads spinning
+against each other): an hour for what runs in minutes one after another.
 
 So a point that runs under the local executor (``SUBMITIT_LOCAL_JOB_ID`` set, one task per job) first takes one of
 ``launch.local_parallel`` slots: an exclusive ``flock`` on ``<sweep dir>/.kdexp_slots/slot-<i>.lock``, held by the

@@ -226,8 +226,7 @@ class TensorBoardLogger:
 
 def enabled_in(cfg: Any) -> bool:
     """logger.tensorboard, and the package importable (else one warning: the run goes on without it)."""
-    on = cfg.get("logger", {}).get("tensorboard", False) if hasattr(cfg, "get") else False
-    if not on:
+    if not cfg.logger.tensorboard:
         return False
     problem = available()
     if problem is not None:

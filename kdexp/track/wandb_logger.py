@@ -131,9 +131,9 @@ class WandbLogger:
     def finish(self, exit_code: int = 0) -> None:
         """End the run; its .wandb file is complete on disk when this returns (kdexp.track.wandb_read reads it).
 
-        wandb 0.31's ``run.finish`` returns before its wandb-core service has written the records (measured: a
-        7-byte file right after finish, the whole run seconds later); ``wandb.teardown`` waits for the service, as
-        the process exit would. A sweep running its points in one process starts a fresh service per point."""
+        wandb 0.31's ``run.finish`` returns before its wandb-core service has written the records (right after
+        finish the file can hold a few bytes, the whole run only seconds later); ``wandb.teardown`` waits for the
+        service, as the process exit would. A sweep running its points in one process starts a fresh service per point."""
         if self.run is not None:
             import wandb
 

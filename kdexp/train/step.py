@@ -211,7 +211,7 @@ def lm_backward(model, batch: dict) -> dict:
 
 
 class StepDriver:
-    """The trainer's and the benchmarks' steps on a set-up run (kdexp.train.setup), each the one sequence of
+    """The trainer's and the benchmarks' steps on a set-up run (kdexp.train.loop.setup), each the one sequence of
     `optimizer_step`: `step` distils (train_step over the global batch), `lm_step` trains the student with the LM
     loss alone (the benchmarks' baseline)."""
 
