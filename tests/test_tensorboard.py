@@ -244,9 +244,12 @@ def test_tensorboard_serves_the_sweep_and_renders_its_hparams(tmp_path_factory, 
             try:
                 page = chrome.new_page(viewport={"width": 1400, "height": 1000})
                 page.goto(f"{url}/#timeseries", wait_until="networkidle")
-                search = page.locator('input[placeholder="Filter tags (regex)"]').first
+                # a loaded, busy machine renders slowly: wait for the first cards, then the visible filter box
+                page.wait_for_function("() => document.querySelectorAll('scalar-card-component').length > 0",
+                                       timeout=180_000)
+                search = page.locator('input[placeholder="Filter tags (regex)"]:visible').first
                 for tag in sorted(set().union(*map(set, curves.values()))):
-                    search.fill(f"^{re.escape(tag)}$")  # what a user types to find a curve
+                    search.fill(f"^{re.escape(tag)}$", timeout=180_000)  # what a user types to find a curve
                     holders = sorted(run for run in runs if tag in curves[run])
                     page.wait_for_function(CARD_FILLED, arg=[tag, holders], timeout=180_000)
                     rows = next(c[1] for c in page.evaluate(CARDS)
