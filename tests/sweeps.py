@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
 
 from kdexp.track import records
+from _launch import kdexp_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,11 +72,11 @@ def run_tiny_sweep(sweep_dir: Path, *, cache_dir: Path, extra: tuple[str, ...] =
     """A real multirun of the tiny default: balancer.alpha=0.0,1.0 (two finished points) plus alpha=1.5, which the
     config validation rejects inside the job, so the sweep also has a real failed point. Returns the process."""
     env = {**os.environ, "KDEXP_CACHE": str(cache_dir), "WANDB_MODE": "disabled"}
-    cmd = [sys.executable, "-m", "kdexp.run", "-m", "experiment=smoke", "logger=none",
-           "logger.tensorboard=true",  # tests/test_tensorboard.py serves this sweep's events
-           "trainer.max_steps=4", "trainer.eval_interval=2", "trainer.eval_iters=1", "trainer.log_interval=1",
-           "trainer.checkpoint_interval=4", "balancer.alpha=0.0,1.0,1.5", f"hydra.sweep.dir={sweep_dir}", *extra]
-    return subprocess.run(cmd, cwd=sweep_dir.parent, env=env, capture_output=True, text=True, timeout=timeout)
+    args = ["-m", "experiment=smoke", "logger=none",
+            "logger.tensorboard=true",  # tests/test_tensorboard.py serves this sweep's events
+            "trainer.max_steps=4", "trainer.eval_interval=2", "trainer.eval_iters=1", "trainer.log_interval=1",
+            "trainer.checkpoint_interval=4", "balancer.alpha=0.0,1.0,1.5", f"hydra.sweep.dir={sweep_dir}", *extra]
+    return kdexp_run(args, env, sweep_dir.parent, check=False, timeout=timeout)
 
 
 _REAL: dict = {}
@@ -133,7 +133,7 @@ def run_diverging_sweep(sweep_dir: Path, *, index_dir: Path, timeout: float = 18
     already gives NaN (it stops one step earlier, before any checkpoint) while the unfused softmax stays finite; this
     sweep is about the bookkeeping of a diverged point with a checkpoint before it."""
     env = {**os.environ, "WANDB_MODE": "disabled"}
-    cmd = [sys.executable, "-m", "kdexp.run", "-m", "experiment=smoke", "logger=none", "trainer.max_steps=4",
-           "trainer.eval_interval=2", "trainer.eval_iters=1", "trainer.log_interval=1", "trainer.checkpoint_interval=2",
-           "model.attention=megatron", f"paths.index={index_dir}", "trainer.lr=0.002,1e6", f"hydra.sweep.dir={sweep_dir}"]
-    return subprocess.run(cmd, cwd=sweep_dir.parent, env=env, capture_output=True, text=True, timeout=timeout)
+    args = ["-m", "experiment=smoke", "logger=none", "trainer.max_steps=4", "trainer.eval_interval=2",
+            "trainer.eval_iters=1", "trainer.log_interval=1", "trainer.checkpoint_interval=2",
+            "model.attention=megatron", f"paths.index={index_dir}", "trainer.lr=0.002,1e6", f"hydra.sweep.dir={sweep_dir}"]
+    return kdexp_run(args, env, sweep_dir.parent, check=False, timeout=timeout)

@@ -11,12 +11,11 @@ import json
 import logging
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from _launch import kdexp_run
 from _lone_process import lone_process as _lone_process
 from kdexp.train import checkpoint as ck
 
@@ -218,10 +217,7 @@ def test_a_run_whose_latest_checkpoint_is_truncated_resumes_from_the_previous_st
     env.pop("KDEXP_RUN_STAMP", None)
 
     def run(run_dir):
-        cmd = [sys.executable, "-m", "kdexp.run", "experiment=smoke", "logger=none", f"hydra.run.dir={run_dir}"]
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        return proc
+        return kdexp_run(["experiment=smoke", "logger=none", f"hydra.run.dir={run_dir}"], env, tmp_path)
 
     reference, run_dir = tmp_path / "reference", tmp_path / "run"
     run(reference)

@@ -157,9 +157,9 @@ def _tp_worker(rank, world, port):
 
 @pytest.mark.slow
 def test_fused_lm_under_tp2_is_each_ranks_slice():
-    from test_losses_tp import _free_port
+    from kdexp.distributed.testing import free_port
 
-    mp.spawn(_tp_worker, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_tp_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
 # ------------------------------------------------------------------------------------------------------ the step

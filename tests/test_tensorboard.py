@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from kdexp.distributed.testing import free_port
 from kdexp.track import records
 from kdexp.track.tensorboard import (EXPERIMENT_DIR, HPARAMS_METRICS, TensorBoardLogger, planned_hparams,
                                      session_hparams, write_experiment)
@@ -107,12 +107,6 @@ def _need(reason: str):
     pytest.skip(reason)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, body: dict | None = None):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -142,7 +136,7 @@ def test_tensorboard_serves_the_sweep_and_renders_its_hparams(tmp_path_factory, 
     except ImportError:
         _need("playwright is not installed (pip install -e '.[dev]')")
 
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "tensorboard.log"
     with log.open("w") as out:
