@@ -321,16 +321,16 @@ def _rank0_cannot_write(rank, world_size, root):
 
     distributed.initialize(tensor_parallel=2)
     ckpt = Path(root) / "checkpoints"
-    real = ck._atomic_torch_save
+    real = ck.atomic_torch_save
     if rank == 0:
-        ck._atomic_torch_save = raise_full_disk
+        ck.atomic_torch_save = raise_full_disk
     try:
         ck.save(ckpt, 3, state(3))
         outcome = "saved"
     except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
         fault = faults.disk_fault(exc)
         outcome = faults.describe(fault) if fault is not None else f"{type(exc).__name__}: {exc}"
-    ck._atomic_torch_save = real
+    ck.atomic_torch_save = real
     mine = state(4)
     mine["model"]["w"] = mine["model"]["w"] + rank  # each TP rank its own shard
     ck.save(ckpt, 4, mine)  # the ranks are still in step: the next collective save works

@@ -117,7 +117,7 @@ _RANK0_FULL_DISK = textwrap.dedent(f"""
     if os.environ.get("RANK") == "0":
         import kdexp.train.checkpoint as ck
         from _disk import raise_full_disk
-        ck._atomic_torch_save = raise_full_disk
+        ck.atomic_torch_save = raise_full_disk
     import kdexp.run
     kdexp.run.cli()
 """)

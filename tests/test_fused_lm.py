@@ -182,7 +182,7 @@ def test_the_trainers_step_fused_and_unfused_agree(overrides, monkeypatch):
         cfg = compose(config_name="config", overrides=["logger=none", "experiment=smoke", *overrides])
     kdexp.config.validate(cfg)
     with lone_process(seed=1) as st:
-        s = loop.setup(cfg, make_teacher=gpu_scale._random_teacher)
+        s = loop.setup(cfg, make_teacher=gpu_scale.random_teacher)
         assert s.objective.fuses_lm
         batch = objectives.batch_to(next(iter(batches(s.data.train_ds, micro_batch_size=cfg.trainer.micro_batch_size,
                                                       dp_rank=0, dp_size=1))), st.device)

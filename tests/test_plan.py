@@ -315,7 +315,7 @@ def test_the_plan_bounds_a_real_train_step_from_above(overrides):
 
     cfg = _cfg("logger=none", *overrides)
     with lone_process(seed=1) as st:
-        s = loop.setup(cfg, make_teacher=gpu_scale._random_teacher)
+        s = loop.setup(cfg, make_teacher=gpu_scale.random_teacher)
         stream = batches(s.data.train_ds, micro_batch_size=cfg.trainer.micro_batch_size, dp_rank=0, dp_size=1)
 
         def step():

@@ -154,7 +154,7 @@ def _aligned_step(paths, fused: bool, coefficients) -> dict:
     from kdexp.config import LossConfig
     from kdexp.losses import KDLossOptions
     from kdexp.models import read_config, spec_from_hf
-    from kdexp.models.hf import _gather_tp, _hf_tensors
+    from kdexp.models.hf import gather_tp, hf_tensors
     from kdexp.train import objective
 
     teacher = load_hf(paths["padded"], vocab_size=288, real_vocab=REAL)
@@ -177,7 +177,7 @@ def _aligned_step(paths, fused: bool, coefficients) -> dict:
     group, tp = ps.get_tensor_model_parallel_group(), kd.state().tp_size
     spec, grads = spec_from_hf(read_config(paths["student"])), {}
     for name, p in student.named_parameters():
-        grads.update(_hf_tensors(name, _gather_tp(p, group, tp, p.grad), spec, tp))  # TP-independent layout
+        grads.update(hf_tensors(name, gather_tp(p, group, tp, p.grad), spec, tp))  # TP-independent layout
     return {"loss": loss.detach(), "eval": obj.evaluate(student, batch, denom), "grads": grads}
 
 
