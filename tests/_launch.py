@@ -27,6 +27,14 @@ NAN_RUN = str(HERE / "_nan_run.py")  # `_nan_run.py STEPS ARGS`: a NaN in the ba
 SIGNAL_RUN = str(HERE / "_signal_run.py")  # `_signal_run.py STEP SIGNAL ARGS`: signals itself during STEP
 
 
+def run_env(cache, **extra: str) -> dict:
+    """The environment of kdexp.run subprocesses: this one's, KDEXP_CACHE=cache, W&B offline, unbuffered output, no
+    inherited run stamp (each run draws its own); ``extra`` on top."""
+    e = {**os.environ, "KDEXP_CACHE": str(cache), "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", **extra}
+    e.pop("KDEXP_RUN_STAMP", None)
+    return e
+
+
 def command(args: Sequence[str], *, torchrun: int = 0, kill_at: int = 0, entry: Optional[str] = None,
             entry_args: Sequence[str] = (), code: Optional[str] = None) -> list[str]:
     """The argv of one launch. ``entry``: a module (run with -m, default kdexp.run) or a .py file; ``kill_at``: the

@@ -82,13 +82,14 @@ def run_tiny_sweep(sweep_dir: Path, *, cache_dir: Path, extra: tuple[str, ...] =
 _REAL: dict = {}
 
 
-def real_tiny_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """The real tiny sweep, run once per test session however many modules ask for it (memoized here, because a
-    session fixture would have to live in conftest.py)."""
+def real_tiny_sweep(tmp_path_factory, seeded_cache) -> tuple[Path, subprocess.CompletedProcess]:
+    """The real tiny sweep, run once per test process however many modules ask for it (memoized here, because a
+    session fixture would have to live in conftest.py; conftest.py puts its modules on one xdist worker), from a
+    copy of the smoke experiment's built cache (conftest's seeded_cache)."""
     if "dir" not in _REAL:
         base = tmp_path_factory.mktemp("real_sweep")
         sweep_dir = base / "sweep"
-        _REAL["proc"] = run_tiny_sweep(sweep_dir, cache_dir=base / "cache")
+        _REAL["proc"] = run_tiny_sweep(sweep_dir, cache_dir=seeded_cache(base / "cache"))
         _REAL["dir"] = sweep_dir
     return _REAL["dir"], _REAL["proc"]
 

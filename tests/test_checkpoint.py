@@ -15,7 +15,7 @@ import re
 import pytest
 import torch
 
-from _launch import kdexp_run
+from _launch import kdexp_run, run_env
 from _lone_process import lone_process as _lone_process
 from kdexp.train import checkpoint as ck
 
@@ -212,9 +212,8 @@ def test_a_checkpoint_of_another_config_is_not_resumed(tmp_path, caplog_kdexp):
 # a real run resumed after its latest checkpoint was truncated
 
 @pytest.mark.slow
-def test_a_run_whose_latest_checkpoint_is_truncated_resumes_from_the_previous_step(tmp_path):
-    env = {**os.environ, "KDEXP_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
-    env.pop("KDEXP_RUN_STAMP", None)
+def test_a_run_whose_latest_checkpoint_is_truncated_resumes_from_the_previous_step(tmp_path, seeded_cache):
+    env = run_env(seeded_cache(tmp_path / "cache"), WANDB_MODE="disabled")
 
     def run(run_dir):
         return kdexp_run(["experiment=smoke", "logger=none", f"hydra.run.dir={run_dir}"], env, tmp_path)

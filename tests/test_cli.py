@@ -312,7 +312,8 @@ def test_a_crashed_single_run_exits_1_and_writes_its_error_log(env, tmp_path):
 
 
 @pytest.mark.slow
-def test_readme_sweep_line_verbatim(env, tmp_path):
+def test_readme_sweep_line_verbatim(env, tmp_path, seeded_cache):
+    seeded_cache(env["KDEXP_CACHE"])  # the smoke experiment's data and teacher, built once for the test run
     readme = (REPO / "README.md").read_text()
     assert re.search(rf"^{re.escape(README_SWEEP)}(\s|$)", readme, re.M), "README lost its sweep line"
     sweep_dir = tmp_path / "sweep"

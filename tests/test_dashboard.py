@@ -20,7 +20,7 @@ import pytest
 
 from kdexp.report import load_sweep, write_report
 from kdexp.report.live import refresh, refresh_quietly, watch
-from _launch import kdexp_popen
+from _launch import kdexp_popen, run_env
 from sweeps import REPO, tiny_config, write_run_dir
 from test_report import png_size
 
@@ -121,10 +121,10 @@ def test_live_page_then_final_page(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_dashboard_of_a_real_sweep_in_chromium(tmp_path):
+def test_dashboard_of_a_real_sweep_in_chromium(tmp_path, seeded_cache):
     chromium()  # skip (or fail under CI) before spending a sweep
     sweep_dir = tmp_path / "sweep"
-    env = {**os.environ, "KDEXP_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    env = run_env(seeded_cache(tmp_path / "cache"), WANDB_MODE="disabled")
     sweep = kdexp_popen(sweep_args(sweep_dir), env, tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                         text=True)
     page = sweep_dir / "report" / "index.html"

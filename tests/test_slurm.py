@@ -224,8 +224,9 @@ def _finals(sweep_dir: Path) -> dict:
 
 @pytest.mark.slurm
 @pytest.mark.usefixtures("slurm_cluster")
-def test_trainer_sweep_tp2_on_slurm_matches_tp1_basic_launcher(tmp_path):
+def test_trainer_sweep_tp2_on_slurm_matches_tp1_basic_launcher(tmp_path, seeded_cache):
     slurm_dir, basic_dir = tmp_path / "slurm_tp2", tmp_path / "basic_tp1"
+    seeded_cache(tmp_path / "w" / "cache")  # both sweeps' cache: the smoke teacher already pretrained
     try:
         r = _kdexp_sweep(tmp_path / "w", slurm_dir, ["parallel.tensor=2", "hydra/launcher=slurm_cpu",
                                                      "hydra.launcher.timeout_min=20"], timeout=900)

@@ -123,8 +123,8 @@ DEEP_TEXT = """() => { const out = []; const walk = (n) => {
 
 
 @pytest.mark.slow
-def test_tensorboard_serves_the_sweep_and_renders_its_hparams(tmp_path_factory, tmp_path):
-    sweep_dir, proc = real_tiny_sweep(tmp_path_factory)
+def test_tensorboard_serves_the_sweep_and_renders_its_hparams(tmp_path_factory, tmp_path, seeded_cache):
+    sweep_dir, proc = real_tiny_sweep(tmp_path_factory, seeded_cache)
     points = checked_real_points(sweep_dir, proc)
     finished = {a: p for a, p in points.items() if p["status"] == "finished"}
     runs = {Path(os.path.relpath(p["run_dir"], sweep_dir)).as_posix(): a for a, p in finished.items()}

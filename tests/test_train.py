@@ -5,11 +5,18 @@ from __future__ import annotations
 import json
 
 import pytest
-from _launch import SIGNAL_RUN, comparable, kdexp_run, metrics, summary
+from _launch import SIGNAL_RUN, comparable, kdexp_run, metrics, run_env, summary
 
 pytestmark = pytest.mark.slow
 
 SMOKE = ["experiment=smoke"]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A cold KDEXP_CACHE, not conftest's seeded one: smoke_run, the module's first run, builds the data and pretrains
+    the embedded teacher (its log says so); the module's other runs find them."""
+    return run_env(tmp_path_factory.mktemp("kdexp_cache"))
 
 
 @pytest.fixture(scope="module")
