@@ -7,10 +7,10 @@ inherit it, so the run has one session cache as a serial run does (its builds ta
 cold cache build once). Tests that need a cache of their own still set KDEXP_CACHE themselves; the `env` fixture
 below is that, per test module, for the modules that run `python -m kdexp.run` in subprocesses.
 
-Placement under ``--dist loadgroup``: every test is in the xdist group of its module (module fixtures, such as a
-module's smoke run or its own cache, are then built once, on one worker), except the modules in SHARED_GROUPS, which
-share a group because they share a session-memoized build; groups run heaviest first (HEAVY_FIRST) so that the
-longest ones do not start last and leave the other worker idle.
+Placement under ``--dist loadgroup`` (pytest_xdist_make_scheduler below): each module's tests are one work unit, run
+on one worker (module fixtures, such as a module's smoke run or its own cache, are then built once), except the
+modules in SHARED_GROUPS, which share a unit because they share a build memoized per process; units start heaviest
+first (HEAVY_FIRST) so that the longest ones do not start last and leave the other worker idle.
 """
 from __future__ import annotations
 
@@ -54,21 +54,35 @@ def _cache_prefix() -> str:
     return os.path.join(tempfile.gettempdir(), "kdexp-test-cache-")
 
 
-def group_of(item) -> str:
-    module = Path(str(item.fspath)).stem
+def group_of(nodeid: str) -> str:
+    """The xdist work unit a test belongs to: its module's name, or the shared group of SHARED_GROUPS."""
+    module = Path(nodeid.split("::", 1)[0]).stem
     return SHARED_GROUPS.get(module, module)
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` with group_of's groups, each one work unit on one worker. (xdist 3.8 marks a group by
+    renaming the test's node id, which pytest 9 no longer takes: its own loadgroup would run every test alone.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of(nodeid)
+
+    return ModuleGroups(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Each test into its group (xdist_group: read by --dist loadgroup, ignored otherwise); the heavy groups first,
-    each module's tests kept together and in their order (module fixtures are set up once)."""
+    """The heavy groups first (the order xdist hands out work units in, with --no-loadscope-reorder), each module's
+    tests kept together and in their order (module fixtures are set up once)."""
     rank = {g: i for i, g in enumerate(HEAVY_FIRST)}
     first_seen: dict[str, int] = {}
     for i, item in enumerate(items):
-        group = group_of(item)
-        first_seen.setdefault(group, i)
-        item.add_marker(pytest.mark.xdist_group(group))
-    items.sort(key=lambda it: (rank.get(group_of(it), len(rank)), first_seen[group_of(it)]))
+        first_seen.setdefault(group_of(item.nodeid), i)
+    items.sort(key=lambda it: (rank.get(group_of(it.nodeid), len(rank)), first_seen[group_of(it.nodeid)]))
 
 
 def _shared_root(tmp_path_factory) -> Path:
