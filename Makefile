@@ -16,6 +16,10 @@ WHEEL_HAVE ?=
 WHEEL_HAVE_FILE ?=
 WHEEL_MAX_MIB ?=
 WHEELHOUSE ?= wheelhouse
+# `make test` runs pytest on TEST_WORKERS pytest-xdist workers, each module's tests on one worker (its module fixtures
+# built once), the heaviest modules first (tests/conftest.py). Two: the cores of a small machine; each test's torch
+# already uses every core, so more workers only make the multi-process tests wait for each other.
+TEST_WORKERS ?= 2
 
 # The venv is created once; torch is installed first, pinned to the version the suite is tested with, so that
 # `pip install -e .` finds it satisfied and pulls no other build.
@@ -31,7 +35,7 @@ run: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check kdexp conf launchers tests
-	$(PY) -m pytest -q -ra $(ARGS)
+	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(ARGS)
 
 bench: $(VENV)/.installed
 	$(PY) -m kdexp.bench.losses $(ARGS)

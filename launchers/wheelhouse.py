@@ -83,7 +83,8 @@ def _local_closure(names: list[str]) -> set[str]:
     return seen
 
 
-def _freeze_names(path: Path) -> set[str]:
+def freeze_names(path: Path) -> set[str]:
+    """The canonical package names a `pip freeze` file lists (--have-file), comments and options skipped."""
     names = set()
     for line in path.read_text().splitlines():
         line = line.split("#")[0].strip()
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     skip = _local_closure([*ALWAYS_HAVE, *args.have])
     if args.have_file:
-        skip |= _freeze_names(args.have_file)
+        skip |= freeze_names(args.have_file)
     skip.discard("kdexp")
     args.out.mkdir(parents=True, exist_ok=True)
     platforms = args.platform or manylinux_tags(args.machine)

@@ -9,13 +9,13 @@ import hashlib
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Optional
 
 import yaml
 
 from kdexp.track import records
+from _launch import UNCHECKED_RUN, kdexp_run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,23 +84,24 @@ def run_tiny_sweep(sweep_dir: Path, *, cache_dir: Path, extra: tuple[str, ...] =
     tests/_unchecked_run.py: ``python -m kdexp.run`` refuses such a sweep whole before it starts). Returns the
     process."""
     env = {**os.environ, "KDEXP_CACHE": str(cache_dir), "WANDB_MODE": "disabled"}
-    cmd = [sys.executable, str(REPO / "tests" / "_unchecked_run.py"), "-m", "experiment=smoke", "logger=none",
-           "logger.tensorboard=true",  # tests/test_tensorboard.py serves this sweep's events
-           "trainer.max_steps=4", "trainer.eval_interval=2", "trainer.eval_iters=1", "trainer.log_interval=1",
-           "trainer.checkpoint_interval=4", "balancer.alpha=0.0,1.0,1.5", f"hydra.sweep.dir={sweep_dir}", *extra]
-    return subprocess.run(cmd, cwd=sweep_dir.parent, env=env, capture_output=True, text=True, timeout=timeout)
+    args = ["-m", "experiment=smoke", "logger=none",
+            "logger.tensorboard=true",  # tests/test_tensorboard.py serves this sweep's events
+            "trainer.max_steps=4", "trainer.eval_interval=2", "trainer.eval_iters=1", "trainer.log_interval=1",
+            "trainer.checkpoint_interval=4", "balancer.alpha=0.0,1.0,1.5", f"hydra.sweep.dir={sweep_dir}", *extra]
+    return kdexp_run(args, env, sweep_dir.parent, check=False, timeout=timeout, entry=UNCHECKED_RUN)
 
 
 _REAL: dict = {}
 
 
-def real_tiny_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    """The real tiny sweep, run once per test session however many modules ask for it (memoized here, because a
-    session fixture would have to live in conftest.py)."""
+def real_tiny_sweep(tmp_path_factory, seeded_cache) -> tuple[Path, subprocess.CompletedProcess]:
+    """The real tiny sweep, run once per test process however many modules ask for it (memoized here, because a
+    session fixture would have to live in conftest.py; conftest.py puts its modules on one xdist worker), from a
+    copy of the smoke experiment's built cache (conftest's seeded_cache)."""
     if "dir" not in _REAL:
         base = tmp_path_factory.mktemp("real_sweep")
         sweep_dir = base / "sweep"
-        _REAL["proc"] = run_tiny_sweep(sweep_dir, cache_dir=base / "cache")
+        _REAL["proc"] = run_tiny_sweep(sweep_dir, cache_dir=seeded_cache(base / "cache"))
         _REAL["dir"] = sweep_dir
     return _REAL["dir"], _REAL["proc"]
 
@@ -145,7 +146,7 @@ def run_diverging_sweep(sweep_dir: Path, *, index_dir: Path, timeout: float = 18
     already gives NaN (it stops one step earlier, before any checkpoint) while the unfused softmax stays finite; this
     sweep is about the bookkeeping of a diverged point with a checkpoint before it."""
     env = {**os.environ, "WANDB_MODE": "disabled"}
-    cmd = [sys.executable, "-m", "kdexp.run", "-m", "experiment=smoke", "logger=none", "trainer.max_steps=4",
-           "trainer.eval_interval=2", "trainer.eval_iters=1", "trainer.log_interval=1", "trainer.checkpoint_interval=2",
-           "model.attention=megatron", f"paths.index={index_dir}", "trainer.lr=0.002,1e6", f"hydra.sweep.dir={sweep_dir}"]
-    return subprocess.run(cmd, cwd=sweep_dir.parent, env=env, capture_output=True, text=True, timeout=timeout)
+    args = ["-m", "experiment=smoke", "logger=none", "trainer.max_steps=4", "trainer.eval_interval=2",
+            "trainer.eval_iters=1", "trainer.log_interval=1", "trainer.checkpoint_interval=2",
+            "model.attention=megatron", f"paths.index={index_dir}", "trainer.lr=0.002,1e6", f"hydra.sweep.dir={sweep_dir}"]
+    return kdexp_run(args, env, sweep_dir.parent, check=False, timeout=timeout)

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from kdexp.data import cache
+from kdexp.distributed.testing import free_port
 from _cache_worker import digests, prepare_and_teacher, tiny_cfg
 
 WORKER = str(Path(__file__).with_name("_cache_worker.py"))
@@ -201,7 +202,7 @@ def test_two_rank_job_rebuilds_corrupt_teacher_together(tmp_path):
 
     def job(tag: str) -> str:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(_free_port()), WORKER, str(tmp_path / "cache"), str(tmp_path / "go"),
+               "--master-port", str(free_port()), WORKER, str(tmp_path / "cache"), str(tmp_path / "go"),
                str(tmp_path / f"{tag}{{rank}}.json")]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-4000:]
@@ -220,9 +221,3 @@ def test_two_rank_job_rebuilds_corrupt_teacher_together(tmp_path):
     assert again[0] == again[1] == cold[0]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

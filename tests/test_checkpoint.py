@@ -11,12 +11,11 @@ import json
 import logging
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from _launch import kdexp_run, run_env
 from _lone_process import lone_process as _lone_process
 from kdexp.train import checkpoint as ck
 
@@ -213,15 +212,11 @@ def test_a_checkpoint_of_another_config_is_not_resumed(tmp_path, caplog_kdexp):
 # a real run resumed after its latest checkpoint was truncated
 
 @pytest.mark.slow
-def test_a_run_whose_latest_checkpoint_is_truncated_resumes_from_the_previous_step(tmp_path):
-    env = {**os.environ, "KDEXP_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
-    env.pop("KDEXP_RUN_STAMP", None)
+def test_a_run_whose_latest_checkpoint_is_truncated_resumes_from_the_previous_step(tmp_path, seeded_cache):
+    env = run_env(seeded_cache(tmp_path / "cache"), WANDB_MODE="disabled")
 
     def run(run_dir):
-        cmd = [sys.executable, "-m", "kdexp.run", "experiment=smoke", "logger=none", f"hydra.run.dir={run_dir}"]
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        return proc
+        return kdexp_run(["experiment=smoke", "logger=none", f"hydra.run.dir={run_dir}"], env, tmp_path)
 
     reference, run_dir = tmp_path / "reference", tmp_path / "run"
     run(reference)
@@ -325,16 +320,16 @@ def _rank0_cannot_write(rank, world_size, root):
 
     distributed.initialize(tensor_parallel=2)
     ckpt = Path(root) / "checkpoints"
-    real = ck._atomic_torch_save
+    real = ck.atomic_torch_save
     if rank == 0:
-        ck._atomic_torch_save = raise_full_disk
+        ck.atomic_torch_save = raise_full_disk
     try:
         ck.save(ckpt, 3, state(3))
         outcome = "saved"
     except Exception as exc:  # noqa: BLE001 - what each rank raised is the result
         fault = faults.disk_fault(exc)
         outcome = faults.describe(fault) if fault is not None else f"{type(exc).__name__}: {exc}"
-    ck._atomic_torch_save = real
+    ck.atomic_torch_save = real
     mine = state(4)
     mine["model"]["w"] = mine["model"]["w"] + rank  # each TP rank its own shard
     ck.save(ckpt, 4, mine)  # the ranks are still in step: the next collective save works

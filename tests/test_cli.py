@@ -5,8 +5,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -17,6 +15,7 @@ from hydra._internal.utils import get_args_parser
 from kdexp.run import hydra_argv
 from kdexp.track import records
 from kdexp.track.faults import is_diverged as _is_diverged
+from _launch import kdexp_run
 
 REPO = Path(__file__).resolve().parents[1]
 README_SWEEP = "python -m kdexp.run loss=top_p loss.top_p=0.9 -m balancer.alpha=0.5,0.9,1.0"
@@ -157,21 +156,17 @@ def env(tmp_path):
     return e
 
 
-def kdexp(args, env, cwd, *, timeout=900, code=None):
-    cmd = [sys.executable, "-m", "kdexp.run", *args] if code is None else [sys.executable, "-c", code, *args]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def test_cfg_job_with_the_flag_before_or_after_the_overrides(env, tmp_path):
-    before = kdexp(["--cfg", "job", "loss=top_p"], env, tmp_path)
+    before = kdexp_run(["--cfg", "job", "loss=top_p"], env, tmp_path, check=False)
     assert before.returncode == 0, before.stderr
     cfg = yaml.safe_load(before.stdout)
     assert cfg["loss"]["name"] == "top_p" and cfg["loss"]["top_p"] == 0.95 and cfg["balancer"]["alpha"] == 0.9
-    after = kdexp(["loss=top_p", "balancer.alpha=0.5", "--cfg", "job", "trainer.lr=0.01"], env, tmp_path)
+    after = kdexp_run(["loss=top_p", "balancer.alpha=0.5", "--cfg", "job", "trainer.lr=0.01"], env, tmp_path,
+                      check=False)
     assert after.returncode == 0, after.stderr
     cfg = yaml.safe_load(after.stdout)
     assert (cfg["loss"]["name"], cfg["balancer"]["alpha"], cfg["trainer"]["lr"]) == ("top_p", 0.5, 0.01)
-    short = kdexp(["loss=top_p", "-c", "job", "-p", "loss"], env, tmp_path)
+    short = kdexp_run(["loss=top_p", "-c", "job", "-p", "loss"], env, tmp_path, check=False)
     assert short.returncode == 0, short.stderr
     package = yaml.safe_load(short.stdout)  # only the loss node
     assert package["name"] == "top_p" and package["min_k"] == 4 and "trainer" not in package
@@ -199,7 +194,7 @@ def test_a_bad_value_is_one_line_exit_2_and_nothing_is_built(env, tmp_path, over
     (tmp_path / "teacher" / "config.json").write_text("{}")
     run_dir = tmp_path / "run"
     args = [o.format(d=tmp_path) for o in overrides]
-    r = kdexp([*args, f"hydra.run.dir={run_dir}"], env, tmp_path)
+    r = kdexp_run([*args, f"hydra.run.dir={run_dir}"], env, tmp_path, check=False)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert r.stderr.splitlines() == [line.format(d=tmp_path)]
     assert "Traceback" not in r.stdout + r.stderr
@@ -216,7 +211,7 @@ def test_an_unknown_loss_name_is_one_line_exit_2_before_data_or_teacher(env, tmp
     listings = {}
     for name, override in (("nope", "loss.name=nope"), ("lr", "trainer.lr=-1")):
         run_dir = tmp_path / name
-        r = kdexp(["experiment=smoke", override, f"hydra.run.dir={run_dir}"], env, tmp_path)
+        r = kdexp_run(["experiment=smoke", override, f"hydra.run.dir={run_dir}"], env, tmp_path, check=False)
         assert r.returncode == 2, (r.stdout, r.stderr)
         assert len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stdout + r.stderr, r.stderr
         listings[name] = sorted(p.relative_to(run_dir).as_posix() for p in run_dir.rglob("*"))
@@ -240,7 +235,7 @@ def test_an_unknown_loss_name_is_one_line_exit_2_before_data_or_teacher(env, tmp
     (["loss=topk,top_p", "-m", "--cfg", "job"], "kdexp: error: --multirun and --cfg cannot be combined"),
 ])
 def test_a_config_hydra_cannot_compose_exits_2_without_traceback(env, tmp_path, args, says):
-    r = kdexp(args, env, tmp_path)
+    r = kdexp_run(args, env, tmp_path, check=False)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert says in r.stderr and "Traceback" not in r.stdout + r.stderr
     _nothing_built(env, tmp_path)
@@ -276,7 +271,8 @@ TYPOS = [
 
 @pytest.mark.parametrize("args, line", TYPOS, ids=[" ".join(a) for a, _ in TYPOS])
 def test_a_typo_never_runs_another_job(env, tmp_path, args, line):
-    r = kdexp([*args, f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"], env, tmp_path)
+    r = kdexp_run([*args, f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"], env, tmp_path,
+                  check=False)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert r.stderr.splitlines() == [line]
     assert not (tmp_path / "sweep").exists()
@@ -298,7 +294,7 @@ _FAKE_TRAIN = textwrap.dedent("""
 
 
 def test_a_diverged_single_run_is_one_line_and_exit_1(env, tmp_path):
-    r = kdexp(["trainer.seed=1", f"hydra.run.dir={tmp_path / 'run'}"], env, tmp_path, code=_FAKE_TRAIN)
+    r = kdexp_run(["trainer.seed=1", f"hydra.run.dir={tmp_path / 'run'}"], env, tmp_path, code=_FAKE_TRAIN, check=False)
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert r.stderr.splitlines()[-1] == "kdexp: non-finite loss at step 4; the last finite checkpoint is step 3 in RUNDIR"
     assert "Traceback" not in r.stdout + r.stderr
@@ -316,8 +312,8 @@ _CRASH_IN_TRAINING = textwrap.dedent("""
 
 def test_a_crashed_single_run_exits_1_and_writes_its_error_log(env, tmp_path):
     run_dir = tmp_path / "run"
-    r = kdexp(["experiment=smoke", "logger=none", f"hydra.run.dir={run_dir}"], env, tmp_path,
-              code=_CRASH_IN_TRAINING)
+    r = kdexp_run(["experiment=smoke", "logger=none", f"hydra.run.dir={run_dir}"], env, tmp_path,
+                  code=_CRASH_IN_TRAINING, check=False)
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert "something broke" in r.stderr
     assert "KeyError: 'something broke'" in (run_dir / records.ERROR_LOG).read_text()
@@ -325,13 +321,15 @@ def test_a_crashed_single_run_exits_1_and_writes_its_error_log(env, tmp_path):
 
 
 @pytest.mark.slow
-def test_readme_sweep_line_verbatim(env, tmp_path):
+def test_readme_sweep_line_verbatim(env, tmp_path, seeded_cache):
+    seeded_cache(env["KDEXP_CACHE"])  # the smoke experiment's data and teacher, built once for the test run
     readme = (REPO / "README.md").read_text()
     assert re.search(rf"^{re.escape(README_SWEEP)}(\s|$)", readme, re.M), "README lost its sweep line"
     sweep_dir = tmp_path / "sweep"
     argv = shlex.split(README_SWEEP)
     assert argv[:3] == ["python", "-m", "kdexp.run"]
-    r = kdexp([*argv[3:], "experiment=smoke", "logger=none", f"hydra.sweep.dir={sweep_dir}"], env, tmp_path)
+    r = kdexp_run([*argv[3:], "experiment=smoke", "logger=none", f"hydra.sweep.dir={sweep_dir}"], env, tmp_path,
+                  check=False)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
     sweep = records.read_json(sweep_dir / records.SWEEP)
     points = sorted(sweep["points"], key=lambda p: p["num"])
@@ -351,8 +349,8 @@ def test_data_too_small_for_seq_length_is_one_line_exit_2_before_any_model(env, 
     """Known only once the corpus is tokenized (kdexp.data.dataset._check_enough): checked right after the data step,
     before the teacher or the student exists. 1000 characters hold ~108 validation tokens: fewer than one sample."""
     run_dir = tmp_path / "run"
-    r = kdexp(["experiment=smoke", "logger=none", "data.max_chars=1000", "trainer.seq_length=512",
-               f"hydra.run.dir={run_dir}"], env, tmp_path)
+    r = kdexp_run(["experiment=smoke", "logger=none", "data.max_chars=1000", "trainer.seq_length=512",
+                   f"hydra.run.dir={run_dir}"], env, tmp_path, check=False)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "Traceback" not in r.stdout + r.stderr
     line = r.stderr.splitlines()[-1]

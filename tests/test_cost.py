@@ -25,7 +25,7 @@ def compose(*overrides: str):
 
 @pytest.mark.parametrize("teacher", ["online", "cached"])
 def test_run_cost_record(teacher, tmp_path):
-    from kdexp.plan import _spec, flops_per_token, make_plan, sizing
+    from kdexp.plan import flops_per_token, make_plan, model_spec, sizing
 
     cfg = compose(f"teacher={teacher}", "trainer.max_steps=10")
     t = cfg.trainer
@@ -41,7 +41,7 @@ def test_run_cost_record(teacher, tmp_path):
     assert c["tokens"] == tokens and c["device_count"] == 1 and c["device_kind"].startswith("cpu")
     assert c["device_hours"] == pytest.approx(72.0 / 3600)
     assert c["student_flops"] == pytest.approx(plan.flops["student"] * tokens, rel=1e-12)
-    teacher_fwd = sizing.flops_per_token(_spec(cfg, "teacher"), t.seq_length, backward=False)
+    teacher_fwd = sizing.flops_per_token(model_spec(cfg, "teacher"), t.seq_length, backward=False)
     if teacher == "online":
         assert c["teacher_forward_flops"] == pytest.approx(plan.flops["teacher"] * tokens, rel=1e-12)
         assert c["cache"] is None

@@ -20,6 +20,7 @@ import pytest
 
 from kdexp.report import load_sweep, write_report
 from kdexp.report.live import refresh, refresh_quietly, watch
+from _launch import kdexp_popen, run_env
 from sweeps import REPO, tiny_config, write_run_dir
 from test_report import png_size
 
@@ -84,10 +85,10 @@ def screenshot(page: Path, tmp_path: Path, name: str) -> Path:
     return shot
 
 
-def sweep_cmd(sweep_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "kdexp.run", "-m", "experiment=smoke", "logger=none", "trainer.max_steps=2",
-            "trainer.eval_interval=2", "trainer.eval_iters=1", "trainer.checkpoint_interval=2",
-            "balancer.alpha=0.0,1.0", f"hydra.sweep.dir={sweep_dir}"]
+def sweep_args(sweep_dir: Path) -> list[str]:
+    return ["-m", "experiment=smoke", "logger=none", "trainer.max_steps=2", "trainer.eval_interval=2",
+            "trainer.eval_iters=1", "trainer.checkpoint_interval=2", "balancer.alpha=0.0,1.0",
+            f"hydra.sweep.dir={sweep_dir}"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -120,12 +121,12 @@ def test_live_page_then_final_page(tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_dashboard_of_a_real_sweep_in_chromium(tmp_path):
+def test_dashboard_of_a_real_sweep_in_chromium(tmp_path, seeded_cache):
     chromium()  # skip (or fail under CI) before spending a sweep
     sweep_dir = tmp_path / "sweep"
-    env = {**os.environ, "KDEXP_CACHE": str(tmp_path / "cache"), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-    sweep = subprocess.Popen(sweep_cmd(sweep_dir), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    env = run_env(seeded_cache(tmp_path / "cache"), WANDB_MODE="disabled")
+    sweep = kdexp_popen(sweep_args(sweep_dir), env, tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                        text=True)
     page = sweep_dir / "report" / "index.html"
     deadline = time.monotonic() + 600
     while not page.exists() and sweep.poll() is None and time.monotonic() < deadline:

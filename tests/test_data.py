@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import numpy
 import pytest
@@ -20,6 +19,7 @@ from kdexp.config import DataConfig
 from kdexp.data import atomic_dir, batches, build_cached, cached_path, embedded_corpus, embedded_documents
 from kdexp.data import prepare as data_prepare
 from kdexp.data.cache import cache_dir
+from kdexp.distributed.testing import free_port
 from kdexp.data.indexed import read_indexed, tokenize_to_indexed
 from kdexp.data.tokenizer import EOD_TOKEN, Tokenizer
 
@@ -310,12 +310,6 @@ def test_cached_path_and_atomic_dir_race(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------------------------------- two processes
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank, world, port, root, out):
     import torch.distributed as dist
 
@@ -343,7 +337,7 @@ def _worker(rank, world, port, root, out):
 def test_two_processes_build_once_and_split_batches(tmp_path):
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path / "cache"), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), str(tmp_path / "cache"), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert (r0["calls"], r1["calls"]) == (1, 0)  # local rank 0 trained, rank 1 waited and read the cache
     assert r0["sha"] == r1["sha"] and r0["first"] == r1["first"]

@@ -3,12 +3,15 @@
 The TP=2 run (two gloo processes) is checked against an independent TP=1 run of the same tiny megatron GPTModel.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
 import kdexp.distributed as kd
 from _lone_process import lone_process as _lone_process
 from kdexp.distributed import cpu
+from kdexp.distributed.launch import Launch
 from kdexp.distributed.testing import run_on_processes
 
 VOCAB, SEQ, BATCH = 128, 16, 2
@@ -142,7 +145,10 @@ def test_cpu_rng_tracker_forks_deterministically(lone_process):
 
 
 def test_launch_env_sources(monkeypatch, lone_process):
-    from kdexp.distributed import _first_slurm_host, _launch_env
+    from kdexp.distributed.launch import first_slurm_host, launch_env
+
+    def _launch_env():
+        return dataclasses.astuple(launch_env())
 
     assert _launch_env()[1:] == (1, 0, "127.0.0.1", None, "local")
     monkeypatch.setenv("SLURM_PROCID", "3")
@@ -159,7 +165,7 @@ def test_launch_env_sources(monkeypatch, lone_process):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_PORT", "29555")
     assert _launch_env() == (1, 2, 0, "127.0.0.1", 29555, "torchrun")
-    assert _first_slurm_host("node1") == "node1" and _first_slurm_host("a[1,3-4]") == "a1"
+    assert first_slurm_host("node1") == "node1" and first_slurm_host("a[1,3-4]") == "a1"
 
 
 def test_a_one_process_job_does_not_need_its_derived_port(monkeypatch, lone_process):
@@ -171,7 +177,7 @@ def test_a_one_process_job_does_not_need_its_derived_port(monkeypatch, lone_proc
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        monkeypatch.setattr(kd, "_launch_env", lambda: (0, 1, 0, "127.0.0.1", port, "submitit"))
+        monkeypatch.setattr(kd, "launch_env", lambda: Launch(0, 1, 0, "127.0.0.1", port, "submitit"))
         st = kd.initialize(seed=1)
         assert (st.rank, st.world_size) == (0, 1) and torch.distributed.is_initialized()
 

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from kdexp.train.errors import Diverged
+from _launch import NAN_RUN, kdexp_run
 from kdexp.train.step import NonFiniteGuard, apply_update, state_finite
 
-NAN_RUN = str(Path(__file__).with_name("_nan_run.py"))
 SMOKE = ["experiment=smoke", "logger=none"]
 
 
@@ -86,11 +84,6 @@ def test_a_skipped_update_leaves_weights_and_optimizer_state_untouched():
 # end to end
 
 
-def run(args, env, cwd, bad_steps: str = ""):
-    cmd = [sys.executable, NAN_RUN, bad_steps, *args] if bad_steps else [sys.executable, "-m", "kdexp.run", *args]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-
-
 def _raise(token):
     raise ValueError(f"bare {token} in JSON")
 
@@ -131,7 +124,7 @@ def kdexp_lines(stderr: str) -> list[str]:
 def test_lr_1e6_diverges_keeps_finite_checkpoints_and_a_rerun_is_refused(env, tmp_path):
     run_dir = tmp_path / "run"
     args = [*SMOKE, "trainer.lr=1e6", "trainer.checkpoint_interval=1", f"hydra.run.dir={run_dir}"]
-    r = run(args, env, tmp_path)
+    r = kdexp_run(args, env, tmp_path, check=False)
     assert r.returncode == 1, r.stderr[-4000:]
     summary = strict((run_dir / "summary.json").read_text())
     step = summary["step"]
@@ -150,7 +143,7 @@ def test_lr_1e6_diverges_keeps_finite_checkpoints_and_a_rerun_is_refused(env, tm
     assert all(math.isfinite(v) for v in summary["final"].values())
     assert [x["step"] for x in train_lines(run_dir)] == list(range(1, step))  # nothing logged for the bad step
 
-    again = run(args, env, tmp_path)
+    again = kdexp_run(args, env, tmp_path, check=False)
     assert again.returncode == 1
     (refused,) = kdexp_lines(again.stderr)
     assert "this config diverged before" in refused and f"at step {step}" in refused and line[7:] in refused
@@ -161,7 +154,8 @@ def test_lr_1e6_diverges_keeps_finite_checkpoints_and_a_rerun_is_refused(env, tm
 @pytest.mark.slow
 def test_injected_nan_stops_before_the_update_and_the_last_finite_checkpoint_is_kept(env, tmp_path):
     run_dir = tmp_path / "run"
-    r = run([*SMOKE, "trainer.checkpoint_interval=1", f"hydra.run.dir={run_dir}"], env, tmp_path, bad_steps="5")
+    r = kdexp_run([*SMOKE, "trainer.checkpoint_interval=1", f"hydra.run.dir={run_dir}"], env, tmp_path, check=False,
+                  entry=NAN_RUN, entry_args=["5"])
     assert r.returncode == 1, r.stderr[-4000:]
     (line,) = kdexp_lines(r.stderr)
     assert line.startswith("kdexp: diverged at step 5: non-finite train/loss and train/grad_norm (train/loss=inf, "
@@ -180,7 +174,7 @@ def test_injected_nan_stops_before_the_update_and_the_last_finite_checkpoint_is_
 def test_skip_nonfinite_skips_and_counts_bad_steps_and_the_run_finishes(env, tmp_path):
     run_dir = tmp_path / "run"
     args = [*SMOKE, "trainer.skip_nonfinite=2", "trainer.checkpoint_interval=1", f"hydra.run.dir={run_dir}"]
-    r = run(args, env, tmp_path, bad_steps="2,6")
+    r = kdexp_run(args, env, tmp_path, check=False, entry=NAN_RUN, entry_args=["2,6"])
     assert r.returncode == 0, r.stderr[-4000:]
     summary = strict((run_dir / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["skipped_steps"] == 2
@@ -206,7 +200,8 @@ def test_skip_nonfinite_skips_and_counts_bad_steps_and_the_run_finishes(env, tmp
 @pytest.mark.slow
 def test_more_bad_steps_than_skip_nonfinite_diverge(env, tmp_path):
     run_dir = tmp_path / "run"
-    r = run([*SMOKE, "trainer.skip_nonfinite=2", f"hydra.run.dir={run_dir}"], env, tmp_path, bad_steps="2,4,5")
+    r = kdexp_run([*SMOKE, "trainer.skip_nonfinite=2", f"hydra.run.dir={run_dir}"], env, tmp_path, check=False,
+                  entry=NAN_RUN, entry_args=["2,4,5"])
     assert r.returncode == 1, r.stderr[-4000:]
     (line,) = kdexp_lines(r.stderr)
     assert line.startswith("kdexp: diverged at step 5: ")

@@ -12,7 +12,7 @@ import yaml
 
 from kdexp.report import arms_table, configurations_table, differences_table, load_sweep
 from sweeps import REPO
-from test_train import kdexp_run
+from _launch import kdexp_run
 
 ARM_NAMES = ("before", "after", "top_p", "sampled")
 

@@ -74,7 +74,7 @@ def test_a_registered_loss_trains_a_smoke_run(registered, tmp_path, monkeypatch)
     from hydra import compose, initialize_config_module
 
     import kdexp.config
-    from kdexp.bench.gpu_scale import _random_teacher
+    from kdexp.bench.gpu_scale import random_teacher
     from kdexp.train.loop import distill
 
     conf = tmp_path / "conf"
@@ -96,7 +96,7 @@ def test_a_registered_loss_trains_a_smoke_run(registered, tmp_path, monkeypatch)
         calls.clear()
         (tmp_path / str(fused)).mkdir()
         with lone_process(seed=cfg.trainer.seed):
-            finals[fused], _ = distill(cfg, tmp_path / str(fused), config_hash="mse", make_teacher=_random_teacher)
+            finals[fused], _ = distill(cfg, tmp_path / str(fused), config_hash="mse", make_teacher=random_teacher)
         assert len(calls) >= 3
     for final in finals.values():
         assert math.isfinite(final["train/kd_loss"]) and final["train/kd_loss"] > 0

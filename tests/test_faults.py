@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import subprocess
-import sys
 import textwrap
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 
 from kdexp.track import faults
 from kdexp.track.metrics import MetricsFile
+from _launch import kdexp_popen, kdexp_run
 
 RUN = ["experiment=smoke", "model.embedded_teacher=shipped", "logger=none"]  # shipped teacher: nothing pretrained
 TESTS = str(Path(__file__).parent)  # the -c scripts below import the full-disk seam from tests/_disk.py
@@ -38,11 +38,6 @@ def tmpfs(where: Path, options: str):
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
-def _run(args, env, cwd):
-    return subprocess.run([sys.executable, "-m", "kdexp.run", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=900)
-
-
 @pytest.mark.slow
 def test_a_read_only_run_dir_is_one_line_exit_1_before_any_work(env, tmp_path):
     if os.geteuid() == 0:
@@ -52,7 +47,7 @@ def test_a_read_only_run_dir_is_one_line_exit_1_before_any_work(env, tmp_path):
         (tmp_path / "ro").chmod(0o555)
         cm = contextmanager(lambda: (yield tmp_path / "ro"))()
     with cm as ro:
-        proc = _run([*RUN, f"hydra.run.dir={ro / 'run'}"], env, tmp_path)
+        proc = kdexp_run([*RUN, f"hydra.run.dir={ro / 'run'}"], env, tmp_path, check=False)
         assert proc.returncode == 1, proc.stderr
         cause = "Read-only file system (EROFS)" if os.geteuid() == 0 else "Permission denied (EACCES)"
         assert proc.stderr.strip() == f"kdexp: error: cannot write {ro / 'run'}: {cause}"
@@ -63,7 +58,8 @@ def test_a_read_only_run_dir_is_one_line_exit_1_before_any_work(env, tmp_path):
 def test_a_full_disk_is_one_line_exit_1_and_leaves_no_partial_file(env, tmp_path):
     with tmpfs(tmp_path / "full", "size=300k") as full:
         run_dir = full / "run"
-        proc = _run([*RUN, "trainer.checkpoint_interval=1", f"hydra.run.dir={run_dir}"], env, tmp_path)
+        proc = kdexp_run([*RUN, "trainer.checkpoint_interval=1", f"hydra.run.dir={run_dir}"], env, tmp_path,
+                         check=False)
         assert proc.returncode == 1, proc.stderr[-3000:]
         (line,) = [x for x in proc.stderr.splitlines() if x.startswith("kdexp:")]
         assert line.startswith(f"kdexp: error: cannot write {run_dir}") and \
@@ -97,9 +93,8 @@ _FULL_DISK_IN_A_SWEEP = textwrap.dedent(f"""
 
 def test_a_disk_fault_in_a_sweep_point_is_its_one_line_in_its_record_and_the_sweeps_output(env, tmp_path):
     sweep_dir = tmp_path / "sweep"
-    proc = subprocess.run([sys.executable, "-c", _FULL_DISK_IN_A_SWEEP, *RUN, "-m", "trainer.seed=1,2",
-                           f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = kdexp_run([*RUN, "-m", "trainer.seed=1,2", f"hydra.sweep.dir={sweep_dir}"], env, tmp_path, check=False,
+                     timeout=600, code=_FULL_DISK_IN_A_SWEEP)
     assert proc.returncode == 1, proc.stderr[-3000:]
     from kdexp.track import records
 
@@ -122,7 +117,7 @@ _RANK0_FULL_DISK = textwrap.dedent(f"""
     if os.environ.get("RANK") == "0":
         import kdexp.train.checkpoint as ck
         from _disk import raise_full_disk
-        ck._atomic_torch_save = raise_full_disk
+        ck.atomic_torch_save = raise_full_disk
     import kdexp.run
     kdexp.run.cli()
 """)
@@ -138,11 +133,10 @@ def test_a_checkpoint_write_that_fails_on_rank_0_of_two_ends_both_ranks_with_its
 
     run_dir = tmp_path / "run"
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK0_FULL_DISK, *RUN, "parallel.tensor=2",
-                               f"hydra.run.dir={run_dir}"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE,
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                   "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+    procs = [kdexp_popen([*RUN, "parallel.tensor=2", f"hydra.run.dir={run_dir}"],
+                         {**env, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}, tmp_path, code=_RANK0_FULL_DISK,
+                         text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for r in (0, 1)]
     try:
         outs = [p.communicate(timeout=400) for p in procs]

@@ -158,9 +158,9 @@ def _tp_worker(rank, world, port):
 
 @pytest.mark.slow
 def test_fused_lm_under_tp2_is_each_ranks_slice():
-    from test_losses_tp import _free_port
+    from kdexp.distributed.testing import free_port
 
-    mp.spawn(_tp_worker, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_tp_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
 # ------------------------------------------------------------------------------------------------------ the step
@@ -184,7 +184,7 @@ def test_the_trainers_step_fused_and_unfused_agree(overrides, monkeypatch):
         cfg = compose(config_name="config", overrides=["logger=none", "experiment=smoke", *overrides])
     kdexp.config.validate(cfg)
     with lone_process(seed=1) as st:
-        s = loop.setup(cfg, make_teacher=gpu_scale._random_teacher)
+        s = loop.setup(cfg, make_teacher=gpu_scale.random_teacher)
         assert s.objective.fuses_lm
         batch = batch_to(next(iter(batches(s.data.train_ds, micro_batch_size=cfg.trainer.micro_batch_size,
                                                       dp_rank=0, dp_size=1))), st.device)

@@ -4,12 +4,12 @@ schema key with its default, then Hydra's flags. The keys are collected here ind
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+
+from _launch import kdexp_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,8 +25,7 @@ def _leaves(node, prefix=""):
 @pytest.fixture(scope="module")
 def page():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-m", "kdexp.run", "--help"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=300)
+    proc = kdexp_run(["--help"], env, ROOT, check=False, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
@@ -97,8 +96,7 @@ def test_model_keys_list_the_qwen3_sizes(page):
 
 def test_hydra_help_is_still_hydras(page):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-m", "kdexp.run", "--hydra-help"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = kdexp_run(["--hydra-help"], env, ROOT, check=False, timeout=300)
     assert proc.returncode == 0 and "hydra/launcher:" in proc.stdout and "submitit_slurm" in proc.stdout, proc.stdout
 
 

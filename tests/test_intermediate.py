@@ -176,7 +176,7 @@ def test_a_sampled_run_with_hidden_state_losses_resumes_exactly_and_exports_with
     """loss=sampled + loss.intermediate through kdexp.run: train/intermediate_loss logged, the projection checkpointed
     with the student and left out of the HF export, and a run killed after step 3 (checkpoint at 2) resumes to the
     uninterrupted run's numbers: the same draws (seeded by trainer.seed and the step) and the same projection."""
-    from test_train import kdexp_run  # the subprocess helper of the training tests
+    from _launch import kdexp_run
 
     # The session's KDEXP_CACHE (tests/conftest.py): the embedded teacher is pretrained once for all such runs.
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -6,12 +6,13 @@ of the unsharded gradient (no factor of the TP size). The float64 reference chec
 """
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from kdexp.distributed.testing import free_port
 
 V, N = 64, 6
 
@@ -26,12 +27,6 @@ CASES = [
     dict(top_k=6, normalization="renormalize", ghost_token=False, divergence="jsd"),
     dict(top_k=V),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _check_case(kw, s, t, w, lo, hi, rank):
@@ -113,4 +108,4 @@ def _worker(rank, world, port, splits):
 @pytest.mark.slow
 def test_tp2_matches_tp1():
     # Even shards (Megatron's layout) and an uneven split (offsets come from the gathered shard sizes).
-    mp.spawn(_worker, args=(2, _free_port(), [(0, 32, 64), (0, 27, 64)]), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), [(0, 32, 64), (0, 27, 64)]), nprocs=2, join=True)

@@ -13,8 +13,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def real_sweep(tmp_path_factory):
-    sweep_dir, proc = real_tiny_sweep(tmp_path_factory)
+def real_sweep(tmp_path_factory, seeded_cache):
+    sweep_dir, proc = real_tiny_sweep(tmp_path_factory, seeded_cache)
     points = checked_real_points(sweep_dir, proc)
     return sweep_dir, points
 

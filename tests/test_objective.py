@@ -40,7 +40,7 @@ def test_the_registry_names_each_shipped_loss_and_refuses_an_unknown_one():
 def _distill(tmp_path, name, overrides):
     """The final metrics of a 4-step smoke run in this process; a randomly initialised teacher unless the run reads
     a teacher cache (its key names the teacher's checkpoint: the smoke teacher, pretrained once per test session)."""
-    from kdexp.bench.gpu_scale import _random_teacher
+    from kdexp.bench.gpu_scale import random_teacher
     from kdexp.train.loop import distill
     from kdexp.train.teacher import get_teacher
 
@@ -48,7 +48,7 @@ def _distill(tmp_path, name, overrides):
     (tmp_path / name).mkdir()
     with lone_process(seed=cfg.trainer.seed):
         final, _ = distill(cfg, tmp_path / name, config_hash=name,
-                           make_teacher=get_teacher if "teacher=cached" in overrides else _random_teacher)
+                           make_teacher=get_teacher if "teacher=cached" in overrides else random_teacher)
     return final
 
 
@@ -111,7 +111,7 @@ def _grads_of_one_step(fused: bool, coefficients, sequence_parallel: bool = Fals
     import kdexp.distributed as kd
     from kdexp import models
     from kdexp.losses import KDLossOptions
-    from kdexp.models.hf import _gather_tp, _hf_tensors
+    from kdexp.models.hf import gather_tp, hf_tensors
 
     kd.reseed(7)
     spec = dataclasses.replace(models.get_spec("tiny-student", vocab_size=256, max_position_embeddings=64),
@@ -134,7 +134,7 @@ def _grads_of_one_step(fused: bool, coefficients, sequence_parallel: bool = Fals
     kd.sum_grads_over_tp(student.parameters())
     st, grads = kd.state(), {}
     for name, p in student.named_parameters():
-        grads.update(_hf_tensors(name, _gather_tp(p, ps.get_tensor_model_parallel_group(), st.tp_size, p.grad), spec,
+        grads.update(hf_tensors(name, gather_tp(p, ps.get_tensor_model_parallel_group(), st.tp_size, p.grad), spec,
                                  st.tp_size))
     return {"loss": loss.detach(), "grads": grads}
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from _launch import kdexp_run
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -64,8 +66,7 @@ def test_installed_package_runs_from_another_directory(wheel, tmp_path):
     where = subprocess.run([sys.executable, "-c", "import kdexp; print(kdexp.__file__)"], cwd=elsewhere, env=env,
                            capture_output=True, text=True, check=True).stdout
     assert where.startswith(str(target)), where  # the installed copy, not the source tree
-    proc = subprocess.run([sys.executable, "-m", "kdexp.run", "experiment=smoke", "trainer.max_steps=2",
-                           "trainer.eval_interval=2", "logger=none", "hydra.run.dir=run"], cwd=elsewhere, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = kdexp_run(["experiment=smoke", "trainer.max_steps=2", "trainer.eval_interval=2", "logger=none",
+                      "hydra.run.dir=run"], env, elsewhere, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert json.loads((elsewhere / "run" / "summary.json").read_text())["status"] == "finished"

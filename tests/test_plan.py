@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,7 +15,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from kdexp import models
 from kdexp.config.qwen3 import Qwen3Spec
 from kdexp.plan import GiB, make_plan, sizing
-from tests._lone_process import lone_process
+from _launch import kdexp_run
+from _lone_process import lone_process
 
 H, F, A, G, D, V = 64, 96, 4, 2, 16, 512
 B, S = 2, 32  # micro-batch, sequence
@@ -245,14 +244,10 @@ def test_bf16_master_weights_and_the_distributed_optimizer():
         make_plan(_cfg("trainer.global_batch_size=8", "trainer.micro_batch_size=3"), gpus=1)
 
 
-def _python(*args, timeout=300):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.mark.slow
 def test_kdexp_run_refuses_a_config_that_does_not_fit(tmp_path):
-    r = _python("-m", "kdexp.run", "experiment=smoke", "logger=none", "trainer.gpu_memory_gb=0.5",
-                f"hydra.run.dir={tmp_path / 'run'}")
+    r = kdexp_run(["experiment=smoke", "logger=none", "trainer.gpu_memory_gb=0.5", f"hydra.run.dir={tmp_path / 'run'}"],
+                  check=False, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     (line,) = [x for x in r.stderr.splitlines() if x.startswith("kdexp:")]
     assert line.startswith("kdexp: error: trainer.gpu_memory_gb=0.5 is invalid: the plan needs 1.03 GiB per GPU")
@@ -332,7 +327,7 @@ def test_the_plan_bounds_a_real_train_step_from_above(overrides):
 
     cfg = _cfg("logger=none", *overrides)
     with lone_process(seed=1) as st:
-        s = loop.setup(cfg, make_teacher=gpu_scale._random_teacher)
+        s = loop.setup(cfg, make_teacher=gpu_scale.random_teacher)
         stream = batches(s.data.train_ds, micro_batch_size=cfg.trainer.micro_batch_size, dp_rank=0, dp_size=1)
 
         def step():

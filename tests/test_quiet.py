@@ -24,11 +24,11 @@ def test_kdexp_builds_megatron_config_without_the_deprecation_warning():
 
 
 def test_megatron_filters_name_megatron_and_kdexp_warnings_still_show():
-    from kdexp.train.point import _quiet_megatron
+    from kdexp.train.point import quiet_megatron
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _quiet_megatron()  # installs its filters in front of "always"
+        quiet_megatron()  # installs its filters in front of "always"
         for module in ("megatron.core.models.backends", "kdexp.losses._native"):
             warnings.warn_explicit("Apex is not installed. Falling back to Torch Norm", UserWarning, "x.py", 1,
                                    module=module, registry={})

@@ -440,7 +440,8 @@ def test_dry_run_block(block, shell_env, tmp_path):
         args = variables.pop("ARGS", "")
         target = line.split("make", 1)[1].split()[0]
         wanted = {"run": [f".venv/bin/python -m kdexp.run {args}"],
-                  "test": [".venv/bin/ruff check kdexp conf launchers tests", f".venv/bin/python -m pytest -q -ra {args}"]}
+                  "test": [".venv/bin/ruff check kdexp conf launchers tests",
+                           f".venv/bin/python -m pytest -q -ra -n 2 --dist loadgroup --no-loadscope-reorder {args}"]}
         for cmd in wanted[target]:
             assert cmd in recipe, (line, cmd, recipe)
         for value in variables.values():  # PYTHON=..., TORCH_INDEX=... reach the recipe

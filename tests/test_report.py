@@ -468,10 +468,10 @@ def test_metrics_jsonl_tolerates_a_cut_line(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------------
 # A real tiny sweep (python -m kdexp.run -m ..., shared with tests/test_notebook.py through tests/sweeps.py)
 @pytest.fixture(scope="module")
-def real_sweep(tmp_path_factory):
+def real_sweep(tmp_path_factory, seeded_cache):
     from sweeps import checked_real_points, real_tiny_sweep
 
-    sweep_dir, proc = real_tiny_sweep(tmp_path_factory)
+    sweep_dir, proc = real_tiny_sweep(tmp_path_factory, seeded_cache)
     points = checked_real_points(sweep_dir, proc)
     return sweep_dir, points
 

@@ -10,7 +10,7 @@ import pytest
 
 from kdexp.report import load_sweep, load_wandb_group, write_report
 from kdexp.report.comparisons import configurations_table, differences_table
-from kdexp.report.plots import _mean_curve
+from kdexp.report.plots import mean_curve
 from kdexp.report.replicates import configurations
 from kdexp.report.tables import best_lines, best_points, points_table
 from sweeps import REPO, tiny_config, write_run_dir
@@ -170,7 +170,7 @@ def test_report_files_with_replicates(rep, tmp_path):
 
 def test_mean_curve_bands(rep):
     after = [p for p in load_sweep(rep).points if p.arm == "after"]
-    curve = dict(_mean_curve(after, "val/lm_loss"))
+    curve = dict(mean_curve(after, "val/lm_loss"))
     step2 = [v + 0.1 * s for v, s in zip(VALUES["val/lm_loss"]["after"], SEEDS)]
     assert curve[2].mean == pytest.approx(hand(step2)[0]) and curve[2].lo == pytest.approx(hand(step2)[2])
     assert curve[4].hi == pytest.approx(hand(VALUES["val/lm_loss"]["after"])[3])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from test_train import comparable, kdexp_run, metrics, summary
+from _launch import comparable, kdexp_run, metrics, summary
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,7 @@ SPEC = dict(vocab_size=256, max_position_embeddings=64)
 
 def _model_run(sp: bool, attention: str, native_reduce_scatter: bool = True) -> dict:
     from kdexp.distributed import cpu
-    from kdexp.models.hf import _gather_tp, _hf_tensors
+    from kdexp.models.hf import gather_tp, hf_tensors
 
     cpu._NATIVE_REDUCE_SCATTER[0] = native_reduce_scatter
     st = kd.state()
@@ -42,7 +42,7 @@ def _model_run(sp: bool, attention: str, native_reduce_scatter: bool = True) -> 
 
     grads = {}
     for name, p in model.named_parameters():
-        grads.update(_hf_tensors(name, _gather_tp(p, ps.get_tensor_model_parallel_group(), st.tp_size, p.grad), spec,
+        grads.update(hf_tensors(name, gather_tp(p, ps.get_tensor_model_parallel_group(), st.tp_size, p.grad), spec,
                                  st.tp_size))
     return {"loss": loss.detach(), "logits": logits.detach(), "hidden": h0.detach(), "grads": grads}
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 
 import pytest
 import torch.multiprocessing as mp
 
+from kdexp.distributed.testing import free_port
 from kdexp.train import signals
 
 
@@ -69,9 +69,7 @@ def _agree_worker(rank: int, world: int, port: int, out) -> None:
 
 @pytest.mark.slow
 def test_ranks_agree_on_a_signal_that_reached_one_of_them():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     mp.spawn(_agree_worker, args=(2, port, out), nprocs=2, join=True)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import _slurm_cluster
+from _launch import kdexp_popen, kdexp_run
 from _sweep_apps import app_env, load_sweep, run_app, sweep_dirs, write_app
 
 
@@ -205,9 +206,8 @@ def _kdexp_sweep(workdir: Path, sweep_dir: Path, extra: list[str], timeout: floa
     env = app_env(workdir, KDEXP_CACHE=str(workdir / "cache"))  # both sweeps share it: one teacher pretraining
     env.pop("KDEXP_RUN_STAMP", None)  # each sweep draws its own stamp
     workdir.mkdir(parents=True, exist_ok=True)
-    return subprocess.run([sys.executable, "-m", "kdexp.run", "-m", *TRAIN_ARGS, *TRAIN_POINTS, *extra,
-                           f"hydra.sweep.dir={sweep_dir}"], cwd=workdir, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return kdexp_run(["-m", *TRAIN_ARGS, *TRAIN_POINTS, *extra, f"hydra.sweep.dir={sweep_dir}"], env, workdir,
+                     check=False, timeout=timeout)
 
 
 def _finals(sweep_dir: Path) -> dict:
@@ -224,8 +224,9 @@ def _finals(sweep_dir: Path) -> dict:
 
 @pytest.mark.slurm
 @pytest.mark.usefixtures("slurm_cluster")
-def test_trainer_sweep_tp2_on_slurm_matches_tp1_basic_launcher(tmp_path):
+def test_trainer_sweep_tp2_on_slurm_matches_tp1_basic_launcher(tmp_path, seeded_cache):
     slurm_dir, basic_dir = tmp_path / "slurm_tp2", tmp_path / "basic_tp1"
+    seeded_cache(tmp_path / "w" / "cache")  # both sweeps' cache: the smoke teacher already pretrained
     try:
         r = _kdexp_sweep(tmp_path / "w", slurm_dir, ["parallel.tensor=2", "hydra/launcher=slurm_cpu",
                                                      "hydra.launcher.timeout_min=20"], timeout=900)
@@ -260,11 +261,11 @@ def test_usr2_on_a_training_job_saves_that_step_and_the_requeued_job_resumes_it(
     env = app_env(workdir, KDEXP_CACHE=str(workdir / "cache"), WANDB_MODE="offline")
     env.pop("KDEXP_RUN_STAMP", None)
     steps = 30  # no periodic checkpoint and eval only at the end: the only checkpoint is the one USR2 asks for
-    proc = subprocess.Popen([sys.executable, "-m", "kdexp.run", "-m", "experiment=smoke",
-                             "model.embedded_teacher=shipped", "logger=none", f"trainer.max_steps={steps}", f"trainer.eval_interval={steps}",
-                             f"trainer.checkpoint_interval={steps}", "parallel.tensor=2", "hydra/launcher=slurm_cpu",
-                             "hydra.launcher.timeout_min=20", f"hydra.sweep.dir={sweep_dir}"],
-                            cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = kdexp_popen(["-m", "experiment=smoke", "model.embedded_teacher=shipped", "logger=none",
+                        f"trainer.max_steps={steps}", f"trainer.eval_interval={steps}",
+                        f"trainer.checkpoint_interval={steps}", "parallel.tensor=2", "hydra/launcher=slurm_cpu",
+                        "hydra.launcher.timeout_min=20", f"hydra.sweep.dir={sweep_dir}"], env, workdir,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run_dir = sweep_dir / "0"
 
     def trained_steps() -> list[int]:

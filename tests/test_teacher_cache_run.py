@@ -7,8 +7,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ import torch
 from hydra import compose, initialize_config_module
 
 from kdexp.config import validate
-from test_train import comparable, kdexp_run
+from _launch import comparable, kdexp_run
 
 SMOKE = ["experiment=smoke", "logger=none"]
 CACHED = {"topk": [*SMOKE, "teacher=cached", "teacher.shard_samples=5"],
@@ -56,11 +54,6 @@ def test_served_options_validate():
 
 
 
-def _run(args, env, cwd, module="kdexp.run"):
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=900)
-
-
 def _train(run_dir: Path) -> list[dict]:
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [x for x in lines if x["kind"] in ("train", "val")]
@@ -86,7 +79,7 @@ def cached_run(env, tmp_path_factory):
     def get(record: str):
         if record not in made:
             cwd = tmp_path_factory.mktemp(f"cached_{record}")
-            proc = _run([*CACHED[record], f"hydra.run.dir={cwd / 'run'}"], env, cwd)
+            proc = kdexp_run([*CACHED[record], f"hydra.run.dir={cwd / 'run'}"], env, cwd, check=False)
             assert proc.returncode == 0, proc.stderr[-4000:]
             made[record] = (cwd / "run", proc.stdout + proc.stderr)
         return made[record]
@@ -95,7 +88,7 @@ def cached_run(env, tmp_path_factory):
 
 
 def test_cli_config_error_exits_2(env, tmp_path):
-    proc = _run(["teacher=cached", "loss=dense", *SMOKE], env, tmp_path)
+    proc = kdexp_run(["teacher=cached", "loss=dense", *SMOKE], env, tmp_path, check=False)
     assert proc.returncode == 2 and "kdexp: error: loss.top_k=None is invalid" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not (Path(env["KDEXP_CACHE"]) / "teacher_cache").exists()
 
@@ -105,8 +98,9 @@ def test_a_nucleus_that_overflows_the_cache_stops_before_the_first_step(env, tmp
     """loss=top_p teacher=cached: the whole cache is checked once it is built (kdexp.teacher.reader.check_nucleus),
     before the student exists, not per batch at the step that meets an overflowing token."""
     run_dir = tmp_path / "run"
-    r = _run([*SMOKE, "model.embedded_teacher=shipped", "loss=top_p", "teacher=cached", "teacher.k_max=8",
-              "loss.top_p=0.99", f"teacher.path={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}"], env, tmp_path)
+    r = kdexp_run([*SMOKE, "model.embedded_teacher=shipped", "loss=top_p", "teacher=cached", "teacher.k_max=8",
+                   "loss.top_p=0.99", f"teacher.path={tmp_path / 'cache'}", f"hydra.run.dir={run_dir}"], env, tmp_path,
+                   check=False)
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert "Traceback" not in r.stdout + r.stderr
     line = r.stderr.splitlines()[-1]
@@ -120,7 +114,7 @@ def test_a_nucleus_that_overflows_the_cache_stops_before_the_first_step(env, tmp
 
 @pytest.mark.slow
 def test_cached_run_builds_the_cache_and_matches_the_online_run(cached_run, env, tmp_path):
-    online = _run([*SMOKE, f"hydra.run.dir={tmp_path / 'online'}"], env, tmp_path)
+    online = kdexp_run([*SMOKE, f"hydra.run.dir={tmp_path / 'online'}"], env, tmp_path, check=False)
     assert online.returncode == 0, online.stderr[-4000:]
     cached_dir, cached_log = cached_run("topk")
     assert "stage teacher_cache: one teacher pass over 12 samples x 64 tokens" in cached_log
@@ -134,8 +128,8 @@ def test_cached_run_builds_the_cache_and_matches_the_online_run(cached_run, env,
     cache_dir = _cache_dir(env, "topk")
     assert len(list(cache_dir.glob("shard-*.json"))) == 3 and (cache_dir / "manifest.json").is_file()
 
-    bench = _run(["--steps", "2", "--warmup", "1", *SMOKE, "teacher=cached", "teacher.shard_samples=5"], env,
-                 tmp_path, module="kdexp.bench.step")
+    bench = kdexp_run(["--steps", "2", "--warmup", "1", *SMOKE, "teacher=cached", "teacher.shard_samples=5"], env,
+                      tmp_path, check=False, entry="kdexp.bench.step")
     assert bench.returncode == 0, bench.stderr[-4000:]
     out = bench.stdout.splitlines()
     assert out[0].endswith("teacher=cached") and "one teacher pass" not in bench.stdout + bench.stderr  # reused, not rebuilt
@@ -159,7 +153,8 @@ def test_sampled_kd_from_the_cache_and_a_second_point_reuses_it(cached_run, env,
     assert sorted(p.suffix for p in cache_dir.glob("shard-00000.*")) == [".counts", ".indices", ".json", ".lse",
                                                                          ".values"]
 
-    second = _run([*CACHED["sampled"], "balancer.alpha=0.5", f"hydra.run.dir={tmp_path / 'alpha'}"], env, tmp_path)
+    second = kdexp_run([*CACHED["sampled"], "balancer.alpha=0.5", f"hydra.run.dir={tmp_path / 'alpha'}"], env, tmp_path,
+                       check=False)
     out = second.stdout + second.stderr
     assert second.returncode == 0, second.stderr[-4000:]
     assert f"stage teacher_cache: reusing {cache_dir}" in out and "one teacher pass" not in out
@@ -170,7 +165,8 @@ def test_sampled_kd_from_the_cache_and_a_second_point_reuses_it(cached_run, env,
     assert other[-1]["train/kd_loss"] != pytest.approx(train[-1]["train/kd_loss"], rel=1e-6)
 
     # bench.step from the sampled cache (README's `kdexp.bench.step teacher=cached loss=sampled`): reused, not rebuilt
-    bench = _run(["--steps", "2", "--warmup", "1", *CACHED["sampled"]], env, tmp_path, module="kdexp.bench.step")
+    bench = kdexp_run(["--steps", "2", "--warmup", "1", *CACHED["sampled"]], env, tmp_path, check=False,
+                      entry="kdexp.bench.step")
     assert bench.returncode == 0, bench.stderr[-4000:]
     assert "one teacher pass" not in bench.stdout + bench.stderr
     assert "KD train step from the teacher cache" in bench.stdout and "KD overhead: " in bench.stdout

@@ -14,7 +14,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import struct
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from urllib.parse import quote
 
 import pytest
 
+from kdexp.distributed.testing import free_port
 from kdexp.track import records
 from kdexp.track.tensorboard import (EXPERIMENT_DIR, HPARAMS_METRICS, TensorBoardLogger, planned_hparams,
                                      session_hparams, write_experiment)
@@ -122,12 +122,6 @@ def _need(reason: str):
     pytest.skip(reason)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _get(url: str, body: dict | None = None):
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -173,12 +167,12 @@ def _curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 @pytest.mark.slow
-def test_tensorboard_serves_the_sweep_and_renders_its_hparams(tmp_path_factory, tmp_path):
+def test_tensorboard_serves_the_sweep_and_renders_its_hparams(tmp_path_factory, tmp_path, seeded_cache):
     """TensorBoard started exactly as docs/reports.md prints it (its default, fast loader), only told where to listen:
     through its data API every finished point's curves hold every metrics.jsonl row (float32) and every HParams
     metric column is filled with the point's last value; in Chromium the Time Series card of every tag shows each
     point, and the HParams table every metric column of every point."""
-    sweep_dir, proc = real_tiny_sweep(tmp_path_factory)
+    sweep_dir, proc = real_tiny_sweep(tmp_path_factory, seeded_cache)
     points = checked_real_points(sweep_dir, proc)
     finished = {a: p for a, p in points.items() if p["status"] == "finished"}
     runs = {Path(os.path.relpath(p["run_dir"], sweep_dir)).as_posix(): a for a, p in finished.items()}
@@ -197,7 +191,7 @@ def test_tensorboard_serves_the_sweep_and_renders_its_hparams(tmp_path_factory, 
     argv = [str(tensorboard if tensorboard.is_file() else shutil.which("tensorboard")),
             *(str(sweep_dir) if a == "multirun/<date>/<time-id>" else a for a in argv[1:])]
     assert str(sweep_dir) in argv
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "tensorboard.log"
     with log.open("w") as out:

@@ -3,51 +3,20 @@ sweep re-runs that retrain nothing."""
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from _launch import SIGNAL_RUN, comparable, kdexp_run, metrics, run_env, summary
 
 pytestmark = pytest.mark.slow
 
 SMOKE = ["experiment=smoke"]
 
 
-
-FAULT_RUN = str(Path(__file__).with_name("_fault_run.py"))  # kdexp.run that SIGKILLs itself after a given step
-
-
-def kdexp_run(args, env, cwd, *, torchrun: int = 0, check: bool = True, extra_env=None, kill_at: int = 0):
-    if kill_at:
-        cmd = [sys.executable, FAULT_RUN, str(kill_at), *args]
-    elif torchrun:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun),
-               "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "kdexp.run", *args]
-    if not kill_at and not torchrun:
-        cmd = [sys.executable, "-m", "kdexp.run", *args]
-    proc = subprocess.run(cmd, cwd=cwd, env={**env, **(extra_env or {})}, capture_output=True, text=True,
-                          timeout=900)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
-    return proc
-
-
-def metrics(run_dir: Path, kind: str) -> list[dict]:
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [x for x in lines if x["kind"] == kind]
-
-
-def summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "summary.json").read_text())
-
-
-def comparable(final: dict) -> dict:
-    return {k: v for k, v in final.items() if not k.startswith("perf/")}
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A cold KDEXP_CACHE, not conftest's seeded one: smoke_run, the module's first run, builds the data and pretrains
+    the embedded teacher (its log says so); the module's other runs find them."""
+    return run_env(tmp_path_factory.mktemp("kdexp_cache"))
 
 
 @pytest.fixture(scope="module")
@@ -115,15 +84,11 @@ def test_sigkill_then_resume_matches_uninterrupted(smoke_run, env, tmp_path):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
 
 
-SIGNAL_RUN = str(Path(__file__).with_name("_signal_run.py"))  # kdexp.run that signals itself during a given step
-
-
 def test_sigterm_mid_step_checkpoints_that_step_and_the_printed_command_resumes_bit_exact(smoke_run, env, tmp_path):
     reference, _ = smoke_run
     run_dir = tmp_path / "preempted"
     args = [*SMOKE, f"hydra.run.dir={run_dir}", "trainer.export_hf=true"]  # checkpoints every 3 steps
-    proc = subprocess.run([sys.executable, SIGNAL_RUN, "4", "TERM", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = kdexp_run(args, env, tmp_path, check=False, entry=SIGNAL_RUN, entry_args=["4", "TERM"])
     out = proc.stdout + proc.stderr
     assert proc.returncode == 128 + 15, out[-3000:]  # 143: what a shell reports for a process SIGTERM ended
     (line,) = [x for x in out.splitlines() if "preempted by" in x]
@@ -132,8 +97,7 @@ def test_sigterm_mid_step_checkpoints_that_step_and_the_printed_command_resumes_
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "4"  # step 4 itself, not the periodic 3
     command = line.split("resume with: ")[1].split()
     assert command[:3] == ["python", "-m", "kdexp.run"] and f"hydra.run.dir={run_dir}" in command
-    resumed = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, env=env, capture_output=True, text=True,
-                             timeout=900)
+    resumed = kdexp_run(command[3:], env, tmp_path, check=False)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from step 4" in resumed.stdout + resumed.stderr
     assert [x["step"] for x in metrics(run_dir, "train")] == [1, 2, 3, 4, 5, 6]  # each step once: none redone
@@ -252,16 +216,15 @@ def test_a_resumed_sweep_point_holds_the_full_history(env, tmp_path):
 
 
 def test_step_bench_runs_through_the_trainers_setup(env, tmp_path):
-    bench = [sys.executable, "-m", "kdexp.bench.step"]
-    proc = subprocess.run([*bench, "--steps", "2", "--warmup", "1", *SMOKE, "logger=none"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = kdexp_run(["--steps", "2", "--warmup", "1", *SMOKE, "logger=none"], env, tmp_path, check=False,
+                     entry="kdexp.bench.step")
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout.splitlines()
     assert out[0] == "loss=topk top_k=1024 top_p=None vocab=2048 tokens/step=128 device=cpu steps=2 teacher=online"
     times = {line[:40].strip(): float(line[40:]) for line in out[2:4]}
     assert sorted(times) == ["KD train step (teacher, student, KD+LM)", "teacher fwd + student fwd+bwd (LM)"]
     assert all(v > 0 for v in times.values()) and out[4].startswith("KD overhead: ")
-    bad = subprocess.run([*bench, "--steps", "0"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    bad = kdexp_run(["--steps", "0"], env, tmp_path, check=False, timeout=300, entry="kdexp.bench.step")
     assert bad.returncode == 2 and "--steps must be >= 1" in bad.stderr
 
 
@@ -280,12 +243,7 @@ def test_torchrun_sequence_parallel_matches_tp1_and_resumes_bit_exact(smoke_run,
                                                                 rel=1e-5, abs=1e-6)
     killed = tmp_path / "sp_killed"
     args = [*sp, f"hydra.run.dir={killed}", "trainer.checkpoint_interval=2"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                           "127.0.0.1", "--master-port", str(port), FAULT_RUN, "5", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = kdexp_run(args, env, tmp_path, check=False, torchrun=2, kill_at=5)
     assert proc.returncode != 0 and not (killed / "summary.json").exists(), proc.stderr[-3000:]
     assert (killed / "checkpoints" / "latest").read_text().strip() == "4"
     kdexp_run(args, env, tmp_path, torchrun=2)

@@ -10,6 +10,7 @@ import torch
 from hydra import compose, initialize_config_module
 
 from _kd_reference import reference_kd
+from _launch import kdexp_run
 from _lone_process import lone_process
 from kdexp.config import validate
 from kdexp.losses import logits_kd_loss
@@ -130,18 +131,14 @@ def test_config_accepts_padding_only_and_names_the_fix(ckpts):
 @pytest.mark.slow
 def test_a_run_distils_between_padded_checkpoints(ckpts, env, tmp_path):
     import json
-    import subprocess
-    import sys
 
-    args = [sys.executable, "-m", "kdexp.run", f"model.teacher_path={ckpts['padded']}",
-            f"model.student_path={ckpts['student']}", "model.teacher=0.6b", "model.student=0.6b", "teacher.k_max=256",
-            "loss.top_k=64", "logger=none", "data.max_chars=100000", "trainer.max_steps=2", "trainer.warmup_steps=1",
-            "trainer.micro_batch_size=2", "trainer.seq_length=32", "trainer.eval_interval=2", "trainer.eval_iters=1",
-            "trainer.checkpoint_interval=2", f"hydra.run.dir={tmp_path / 'run'}"]
-    refused = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    args = [f"model.teacher_path={ckpts['padded']}", f"model.student_path={ckpts['student']}", "model.teacher=0.6b",
+            "model.student=0.6b", "teacher.k_max=256", "loss.top_k=64", "logger=none", "data.max_chars=100000",
+            "trainer.max_steps=2", "trainer.warmup_steps=1", "trainer.micro_batch_size=2", "trainer.seq_length=32",
+            "trainer.eval_interval=2", "trainer.eval_iters=1", "trainer.checkpoint_interval=2", f"hydra.run.dir={tmp_path / 'run'}"]
+    refused = kdexp_run(args, env, tmp_path, check=False, timeout=600)
     assert refused.returncode == 2 and "set model.vocab_alignment=tokenizer" in refused.stderr, refused.stderr[-2000:]
-    done = subprocess.run([*args, "model.vocab_alignment=tokenizer"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = kdexp_run([*args, "model.vocab_alignment=tokenizer"], env, tmp_path, check=False, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     final = json.loads((tmp_path / "run" / "summary.json").read_text())["final"]
     assert all(math.isfinite(v) for k, v in final.items() if isinstance(v, float)), final
@@ -157,7 +154,7 @@ def _aligned_step(paths, fused: bool, coefficients) -> dict:
     from kdexp.config import LossConfig
     from kdexp.losses import KDLossOptions
     from kdexp.models import read_config, spec_from_hf
-    from kdexp.models.hf import _gather_tp, _hf_tensors
+    from kdexp.models.hf import gather_tp, hf_tensors
     from kdexp import objective
 
     teacher = load_hf(paths["padded"], vocab_size=288, real_vocab=REAL)
@@ -180,7 +177,7 @@ def _aligned_step(paths, fused: bool, coefficients) -> dict:
     group, tp = ps.get_tensor_model_parallel_group(), kd.state().tp_size
     spec, grads = spec_from_hf(read_config(paths["student"])), {}
     for name, p in student.named_parameters():
-        grads.update(_hf_tensors(name, _gather_tp(p, group, tp, p.grad), spec, tp))  # TP-independent layout
+        grads.update(hf_tensors(name, gather_tp(p, group, tp, p.grad), spec, tp))  # TP-independent layout
     return {"loss": loss.detach(), "eval": obj.evaluate(student, batch, denom), "grads": grads}
 
 

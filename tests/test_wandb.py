@@ -10,8 +10,6 @@ import http.server
 import logging
 import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,14 +18,14 @@ import pytest
 from omegaconf import OmegaConf
 
 from kdexp.config import KdexpConfig
+from kdexp.distributed.testing import free_port
 from kdexp.track import records, wandb_logger, wandb_read
 from kdexp.track.wandb_logger import WandbLogger, unreachable
+from _launch import kdexp_run
 
 
 def _dead_url() -> str:
-    with socket.socket() as s:  # bound then closed: nothing listens there
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"  # bound then closed: nothing listens there
 
 
 @pytest.fixture
@@ -218,12 +216,12 @@ def test_a_sweeps_offline_wandb_runs_hold_what_the_points_logged(tmp_path):
     env.update(WANDB_SILENT="true", PYTHONUNBUFFERED="1", WANDB_MODE="offline",
                PYTHONPATH=os.pathsep.join([str(repo), *filter(None, [os.environ.get("PYTHONPATH")])]))
     sweep_dir = tmp_path / "sweeps" / "ab"
-    cmd = [sys.executable, "-m", "kdexp.run", "-m", "experiment=smoke", "balancer.alpha=0.5,0.9",
-           "logger.wandb.project=readback", "logger.wandb.tags=[t1]", f"hydra.sweep.dir={sweep_dir}",
-           # W&B settings are not part of a run's identity: without this a point another test of the session
-           # finished with the same config is reused, and a reused point logs nothing to W&B
-           "trainer.reuse_finished=false"]
-    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    args = ["-m", "experiment=smoke", "balancer.alpha=0.5,0.9", "logger.wandb.project=readback",
+            "logger.wandb.tags=[t1]", f"hydra.sweep.dir={sweep_dir}",
+            # W&B settings are not part of a run's identity: without this a point another test of the session
+            # finished with the same config is reused, and a reused point logs nothing to W&B
+            "trainer.reuse_finished=false"]
+    r = kdexp_run(args, env, tmp_path, check=False)
     assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-6000:])
     sweep = records.read_json(sweep_dir / records.SWEEP)
     points = sorted(sweep["points"], key=lambda p: p["num"])

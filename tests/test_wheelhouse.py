@@ -35,7 +35,7 @@ def test_have_file_names_are_normalised(tmp_path):
     freeze = tmp_path / "freeze.txt"
     freeze.write_text("Torch==2.11.0+cu128\n# comment\ntyping_extensions==4.12\n-e git+https://x/y#egg=z\n"
                       "huggingface-hub @ file:///w/hub.whl\n")
-    assert wheelhouse._freeze_names(freeze) == {"torch", "typing-extensions", "huggingface-hub"}
+    assert wheelhouse.freeze_names(freeze) == {"torch", "typing-extensions", "huggingface-hub"}
 
 
 @pytest.mark.slow

@@ -46,7 +46,9 @@ def compose_cfg(teacher: str, student: str, *, seq: int, micro: int, steps: int,
         return compose(config_name="config", overrides=[*over, *extra]), notes
 
 
-def _random_teacher(cfg, data):
+def random_teacher(cfg, data):
+    """A frozen teacher of cfg's shape with random weights: a ``make_teacher`` for loop.setup where what is measured
+    (speed, memory, numerics of the head) does not need a trained one."""
     from kdexp import models
     from kdexp.train.teacher import freeze
 
@@ -76,7 +78,7 @@ def run(teacher: str = "1.7b", student: str = "0.6b", *, steps: int = 50, lm_ste
     cfg, notes = compose_cfg(teacher, student, seq=seq, micro=micro, steps=max(steps, 1), recompute=recompute,
                              extra=extra)
     st = distributed.initialize(tensor_parallel=int(cfg.parallel.tensor), seed=cfg.trainer.seed)
-    s = loop.setup(cfg, make_teacher=_random_teacher)
+    s = loop.setup(cfg, make_teacher=random_teacher)
     t = cfg.trainer
     driver = StepDriver(s, cfg)
     stream = iter(())

@@ -100,11 +100,11 @@ def main(argv=None) -> dict:
         cfg = compose(config_name="config", overrides=args.overrides)
     kdexp.config.validate(cfg)
     from kdexp.train.loop import setup
-    from kdexp.train.point import _quiet_megatron
+    from kdexp.train.point import quiet_megatron
     from kdexp.train.teacher import recipe
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    _quiet_megatron()  # the teacher's pretraining log lines stay, megatron's index chatter goes
+    quiet_megatron()  # the teacher's pretraining log lines stay, megatron's index chatter goes
     distributed.initialize(tensor_parallel=cfg.parallel.tensor, seed=cfg.trainer.seed)
     if args.curve:
         return _curve(cfg, args)

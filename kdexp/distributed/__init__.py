@@ -20,7 +20,6 @@ import datetime
 import importlib
 from typing import Optional
 
-from kdexp.distributed.launch import first_slurm_host as _first_slurm_host  # noqa: F401  (tests use the old name)
 from kdexp.distributed.launch import launch_env
 
 

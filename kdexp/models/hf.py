@@ -168,7 +168,7 @@ def load_hf(path, *, params_dtype=torch.float32, vocab_size: Optional[int] = Non
     return model if real_vocab is None else mask_padded_vocab(model, int(real_vocab))
 
 
-def _gather_tp(param: torch.Tensor, tp_group, tp: int, values: Optional[torch.Tensor] = None) -> torch.Tensor:
+def gather_tp(param: torch.Tensor, tp_group, tp: int, values: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Full tensor of a (possibly) TP-sharded megatron parameter, on every TP rank; of `values` (e.g. its gradient,
     same shard shape) sharded as the parameter is, when given."""
     t = (param if values is None else values).detach()
@@ -179,7 +179,7 @@ def _gather_tp(param: torch.Tensor, tp_group, tp: int, values: Optional[torch.Te
     return torch.cat(parts, dim=param.partition_dim).cpu()
 
 
-def _hf_tensors(name: str, full: torch.Tensor, spec: Qwen3Spec, tp: int) -> dict:
+def hf_tensors(name: str, full: torch.Tensor, spec: Qwen3Spec, tp: int) -> dict:
     """HF name -> tensor for one gathered megatron parameter (inverse of _load_tensor at TP=1)."""
     hd = spec.head_dim
     if name == "embedding.word_embeddings.weight":
@@ -244,8 +244,8 @@ def save_hf(model, path, spec: Optional[Qwen3Spec] = None, *, dtype: Optional[to
     for name, param in model.named_parameters():
         if name.startswith(TRAINING_ONLY_PREFIX):  # e.g. the hidden-state projections: not part of the HF model
             continue
-        full = _gather_tp(param, group, tp)
-        for k, v in _hf_tensors(name, full, spec, tp).items():
+        full = gather_tp(param, group, tp)
+        for k, v in hf_tensors(name, full, spec, tp).items():
             tensors[k] = v.to(dtype or v.dtype).contiguous().clone()
     is_writer = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     if is_writer:

@@ -76,7 +76,7 @@ class Plan:
         return d
 
 
-def _spec(cfg, role: str):
+def model_spec(cfg, role: str):
     """The role's Qwen3Spec: from its checkpoint's config.json, else QWEN3_SIZES (tiny presets with the vocabulary
     the run's tokenizer will have: data.vocab_size for the trained BPE)."""
     from kdexp import models
@@ -137,7 +137,7 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     if gpus < 1 or gpus % tp:
         raise ValueError(f"--gpus={gpus} is invalid: must be a positive multiple of parallel.tensor={tp}")
     dp = gpus // tp
-    teacher, student = _spec(cfg, "teacher"), _spec(cfg, "student")
+    teacher, student = model_spec(cfg, "teacher"), model_spec(cfg, "student")
     check_tp(teacher, tp)
     check_tp(student, tp)
     recompute, attention = t.recompute, cfg.model.attention
@@ -253,8 +253,8 @@ def flops_per_token(cfg: Any) -> dict:
     training step (forward + backward) and the teacher's forward, whether the step runs it (online) or a cache build
     ran it once (cached). What kdexp.track.cost records for every run."""
     seq = int(cfg.trainer.seq_length)
-    return {"student": sizing.flops_per_token(_spec(cfg, "student"), seq, backward=True),
-            "teacher_forward": sizing.flops_per_token(_spec(cfg, "teacher"), seq, backward=False)}
+    return {"student": sizing.flops_per_token(model_spec(cfg, "student"), seq, backward=True),
+            "teacher_forward": sizing.flops_per_token(model_spec(cfg, "teacher"), seq, backward=False)}
 
 
 def _gib(x: float, unit: float = GiB) -> str:

@@ -72,7 +72,7 @@ def safe_name(key: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", key).strip("_") or "param"
 
 
-def _mean_curve(points: list[Point], metric: str) -> list[tuple[int, Summary]]:
+def mean_curve(points: list[Point], metric: str) -> list[tuple[int, Summary]]:
     """Per step, the summary over the points that logged it (clipped to the metric's range, no interval below
     MIN_INTERVAL_N points: kdexp.report.ranges)."""
     by_step: dict[int, list[float]] = {}
@@ -113,7 +113,7 @@ def curve_series(sweep: Sweep, metric: str) -> list[Series]:
         for p in done:
             steps, values = zip(*p.curves[metric])
             out.append(Series(None, list(steps), list(values), "seed", i % 10))
-        curve = _mean_curve(done, metric)
+        curve = mean_curve(done, metric)
         if curve:
             band = [(st, sm) for st, sm in curve if sm.lo is not None]
             out.append(Series(f"{c.label} (n={len(c.finished)})", [st for st, _ in curve], [sm.mean for _, sm in curve],

@@ -83,7 +83,9 @@ def _atomic_write(path: Path, write) -> None:
         raise
 
 
-def _atomic_torch_save(obj: Any, path: Path) -> None:
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """torch.save through a temp file and os.replace; every checkpoint file is written here (so a fault test can put
+    a full disk in its place)."""
     _atomic_write(path, lambda f: torch.save(obj, f))
 
 
@@ -119,7 +121,7 @@ def _manifest(path: Path) -> Path:
 
 def write_file(path: Path, state: dict[str, Any], step: int) -> None:
     """One checkpoint file and then its manifest, both atomically."""
-    _atomic_torch_save(state, path)
+    atomic_torch_save(state, path)
     records.write_json(_manifest(path), {"file": path.name, "bytes": path.stat().st_size,
                                          "sha256": sha256_file(path), "step": step})
 

@@ -32,7 +32,7 @@ from kdexp.track.loggers import log_reused, open_loggers
 log = logging.getLogger("kdexp")
 
 
-def _quiet_megatron() -> None:
+def quiet_megatron() -> None:
     """megatron-core logs every dataset index step at INFO and warns about optional fused kernels it can do without.
     The filters name megatron's modules, so that a warning of kdexp's (or another library's) with the same words
     still shows."""
@@ -120,7 +120,7 @@ def _run_point(cfg, run_dir: Path, multirun: bool, overrides: list, hc,
 
     sweep.take_local_slot(cfg.launch, sweep_dir, on_wait=waiting)
     started = time.perf_counter()
-    _quiet_megatron()
+    quiet_megatron()
     distributed.initialize(tensor_parallel=cfg.parallel.tensor, pipeline_parallel=cfg.parallel.pipeline,
                            seed=cfg.trainer.seed)
     from kdexp.train.loop import distill  # megatron is imported only once the config is known good
