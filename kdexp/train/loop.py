@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from kdexp import assets, distributed, models
+from kdexp.config import precision
 from kdexp.config.checks import accumulation_steps
 from kdexp.data import batches, prepare
 from kdexp.track import faults
@@ -30,9 +31,15 @@ from kdexp.train.teacher import get_teacher
 log = logging.getLogger("kdexp")
 
 
+def run_formats(cfg) -> precision.Formats:
+    """This process's numeric formats (kdexp.config.precision: the rule kdexp.plan sizes by)."""
+    return precision.of(cfg, cuda=torch.cuda.is_available())
+
+
 def student_dtype(cfg) -> torch.dtype:
-    """trainer.precision=bf16: bf16 weights (fp32 masters in the optimizer); fp32: model.params_dtype as given."""
-    return torch.bfloat16 if cfg.trainer.precision == "bf16" else models.DTYPES[cfg.model.params_dtype]
+    """The student's (and the teacher's) weight dtype: bf16 under trainer.precision=bf16 or
+    model.params_dtype=bfloat16 (fp32 masters in the optimizer), else fp32."""
+    return models.DTYPES[run_formats(cfg).weights]
 
 
 def build_student(cfg, vocab_size: int) -> torch.nn.Module:
@@ -46,6 +53,15 @@ def build_student(cfg, vocab_size: int) -> torch.nn.Module:
     spec = models.get_spec(name, vocab_size=vocab_size) if name.startswith("tiny") else models.QWEN3_SIZES[name]
     model = models.build(spec, params_dtype=dtype, **memory)
     return model if real is None else models.mask_padded_vocab(model, real)
+
+
+def build_optimizer(cfg, student: torch.nn.Module):
+    """The student's optimizer in the formats kdexp.config.precision decides: megatron's DDP + (distributed) optimizer
+    on CUDA, else kdexp.train.optim's AdamW (with fp32 masters for bf16 weights)."""
+    t, formats = cfg.trainer, run_formats(cfg)
+    if megatron_optim.uses_megatron(t.optimizer):
+        return megatron_optim.MegatronOptimizer(student, t, formats)
+    return optim.make_optimizer(student, lr=t.lr, weight_decay=t.weight_decay, master_weights=formats.master is not None)
 
 
 @dataclasses.dataclass
@@ -94,8 +110,8 @@ def setup(cfg, *, make_teacher: Callable = get_teacher) -> Setup:
                    val_samples=t.eval_iters * global_batch,
                    tokenizer_path=assets.tokenizer_source(cfg)[1])
     teacher = make_teacher(cfg, data)
-    if t.precision == "bf16" and next(teacher.parameters()).dtype != torch.bfloat16:
-        teacher = models.cast(teacher, torch.bfloat16)  # frozen: no grads, no optimizer state, half the memory
+    if next(teacher.parameters()).dtype != student_dtype(cfg):
+        teacher = models.cast(teacher, student_dtype(cfg))  # frozen: no grads, no optimizer state
     balancer = objectives.build_balancer(cfg.balancer)
     # Before the student: a cached teacher's one pass into the cache runs here (skipped when the cache exists).
     kd = objective.build(cfg, data, teacher, balancer)
@@ -103,13 +119,7 @@ def setup(cfg, *, make_teacher: Callable = get_teacher) -> Setup:
     student = build_student(cfg, data.vocab_size)
     objectives.attach_intermediate(student, cfg.loss, teacher.kdexp_spec.hidden_size)  # before its optimizer
     student.train()
-    if megatron_optim.uses_megatron(t.optimizer):  # DDP + megatron's (distributed) optimizer, on CUDA
-        opt = megatron_optim.MegatronOptimizer(student, t)
-    else:
-        # fp32 masters whenever the weights are not fp32 (precision=bf16, or model.params_dtype=bfloat16), as
-        # megatron's optimizer does on the CUDA path
-        opt = optim.make_optimizer(student, lr=t.lr, weight_decay=t.weight_decay,
-                                   master_weights=student_dtype(cfg) != torch.float32)
+    opt = build_optimizer(cfg, student)
     return Setup(data=data, teacher=teacher, student=student, optimizer=opt, balancer=balancer, objective=kd,
                  accumulation=accumulation, global_batch=global_batch)
 
