@@ -130,7 +130,8 @@ def _final(last_train: dict, last_eval: dict) -> dict:
 
 def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path] = None,
             wandb_logger=None, make_teacher: Callable = get_teacher) -> tuple[dict, torch.nn.Module]:
-    """Train the student; returns (final metrics, the student). Raises kdexp.train.Diverged on a non-finite step.
+    """Train the student; returns (final metrics, the student), exported to run_dir/student_hf with
+    trainer.export_hf. Raises kdexp.train.Diverged on a non-finite step.
 
     Checkpoints of another config are not resumed. `make_teacher`: as in `setup`."""
     st = distributed.state()
@@ -248,4 +249,14 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
     finally:
         preemption.__exit__()
         progress.close()
+    if t.export_hf:  # every rank: save_hf gathers the TP shards, rank 0 writes
+        export_hf(student, Path(run_dir) / "student_hf", s.data.tokenizer)
     return _final(last_train, last_eval), student
+
+
+def export_hf(student: torch.nn.Module, path: Path, tokenizer) -> None:
+    """The distilled student as a Hugging Face checkpoint that generates on its own: config.json and the weights, the
+    run's tokenizer files (chat template included when it has one) and generation_config.json with its bos / eos /
+    pad ids (kdexp.data.tokenizer.Tokenizer.hf_files)."""
+    spec = student.kdexp_spec
+    models.save_hf(student, path, spec, files=tokenizer.hf_files(max_length=spec.max_position_embeddings))

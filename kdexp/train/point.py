@@ -129,11 +129,8 @@ def _run_point(cfg, run_dir: Path, multirun: bool, overrides: list, hc) -> dict:
     record = {"config_hash": key, "overrides": overrides, "steps": cfg.trainer.max_steps, "reused_from": None,
               "run_dir": str(run_dir), "wandb_id": rundir.wandb_id(run_dir)}
     try:
-        final, student = distill(cfg, run_dir, config_hash=key, resume_from=previous, wandb_logger=wandb_logger)
-        if cfg.trainer.export_hf:  # every rank: save_hf gathers the TP shards, rank 0 writes
-            from kdexp.models import save_hf
-
-            save_hf(student, run_dir / "student_hf")  # the spec rides on the model (model.kdexp_spec)
+        # with trainer.export_hf, distill writes run_dir/student_hf (weights, tokenizer, generation config)
+        final, _ = distill(cfg, run_dir, config_hash=key, resume_from=previous, wandb_logger=wandb_logger)
     except Diverged as exc:
         if distributed.is_rank0():
             wandb_logger.summary({**exc.metrics, "diverged_step": exc.step})
