@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kdexp import assets
+from kdexp.config import tokens
 from kdexp.rules import choice, fail, integer, is_int, number
 
 _DTYPES = ("float32", "bfloat16")
@@ -126,8 +127,9 @@ def check_model(cfg: Any) -> None:
 # data
 
 
-def _check_prefixes(key: str, items: Any) -> None:
-    """Megatron prefixes [p, ...] or a weighted blend [w, p, w, p, ...]: each with its .bin and .idx."""
+def _check_prefixes(key: str, items: Any) -> list[str]:
+    """Megatron prefixes [p, ...] or a weighted blend [w, p, w, p, ...]: each with its .bin and .idx; returns the
+    prefixes."""
     items = [str(x) for x in items]
     weights = items[0::2] if len(items) % 2 == 0 else []
 
@@ -152,6 +154,7 @@ def _check_prefixes(key: str, items: Any) -> None:
         lacking = [ext for ext in (".bin", ".idx") if not Path(f"{base}{ext}").is_file()]
         if lacking:
             fail(key, items, f"no indexed dataset at {p!r} (missing {' and '.join(f'{p}{e}' for e in lacking)})")
+    return prefixes
 
 
 _SPLIT = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*,\s*([0-9]+(?:\.[0-9]*)?)\s*,\s*([0-9]+(?:\.[0-9]*)?)\s*")
@@ -197,6 +200,25 @@ def check_tokenizer(cfg: Any) -> None:
     tok = Path(tok).expanduser()
     if not ((tok / "tokenizer.json").is_file() or (tok / "tokenizer_config.json").is_file()):
         fail(key, str(tok), "must be a directory with tokenizer.json (the tokenizer of the data)")
+
+
+def check_token_files(cfg: Any, sizes: dict) -> None:
+    """data=indexed: each prefix's recorded largest token id within both models' vocabularies, and its recorded
+    tokenizer the run's (kdexp.config.tokens; reads one small JSON file per prefix, never the tokens)."""
+    d = cfg.data
+    if d.name != "indexed":
+        return
+    tokenizer_key, tokenizer_dir = assets.tokenizer_source(cfg)
+    groups = [(f"data.{k}", list(getattr(d, k))) for k in ("prefixes", "valid_prefixes") if list(getattr(d, k))]
+    groups = [(k, items, _check_prefixes(k, items)) for k, items in groups]
+    if not any(tokens.meta_path(p).is_file() for _, _, prefixes in groups for p in prefixes):
+        return  # nothing recorded (made by another tool): kdexp.data says so when it opens them
+    vocab, role = min((v if v is not None else tokenizer_vocab(cfg), role) for role, (v, *_) in sizes.items())
+    key, path = _checkpoint(cfg, role)
+    vocab_key = f"{key}={path}" if path is not None else f"model.{role}={getattr(cfg.model, role)}"
+    for k, items, prefixes in groups:
+        tokens.check_prefixes(k, items, prefixes, vocab=vocab, vocab_key=vocab_key, tokenizer_key=tokenizer_key,
+                              tokenizer_dir=tokenizer_dir)
 
 
 ALIGNMENTS = ("exact", "tokenizer")  # model.vocab_alignment (kdexp.models.vocab)
