@@ -18,8 +18,11 @@ from kdexp.losses.options import BalancerOptions, IntermediatePair, KDLossOption
 
 @dataclass
 class ModelConfig:
-    teacher: str = "tiny-teacher"  # a name in kdexp.models.QWEN3_SIZES
-    student: str = "tiny-student"
+    # a size of kdexp.models.QWEN3_SIZES in any spelling kdexp.models.spec.size_key reads ("1.7b", "Qwen3-1.7B",
+    # "Qwen/Qwen3-1.7B"); optional (null) with a checkpoint path, whose config.json gives the shape and the label; a
+    # name given beside a path must be the checkpoint's shape
+    teacher: Optional[str] = "tiny-teacher"
+    student: Optional[str] = "tiny-student"
     teacher_path: Optional[str] = None  # local HF checkpoint dir; required for real (non-tiny) teachers
     student_path: Optional[str] = None  # local HF checkpoint dir to start the student from; None = random init
     params_dtype: str = "float32"  # float32 | bfloat16

@@ -84,10 +84,18 @@ def _spec(cfg, role: str):
     path = getattr(cfg.model, f"{role}_path")
     if path is not None:
         return models.spec_from_hf(models.read_config(os.path.expanduser(path)))
-    name = getattr(cfg.model, role)
+    name = models.size_key(getattr(cfg.model, role))
     if name.startswith("tiny") and cfg.data.name == "stdlib" and cfg.data.tokenizer is None:
         return models.get_spec(name, vocab_size=cfg.data.vocab_size)
     return models.get_spec(name)
+
+
+def _label(cfg, role: str, spec) -> str:
+    """The role's name in the plan: its size, or for a checkpoint of another shape its directory and parameters."""
+    from kdexp import models
+
+    path = getattr(cfg.model, f"{role}_path")
+    return models.label(spec, path) if path is not None else models.size_key(getattr(cfg.model, role))
 
 
 def _formats(cfg):
@@ -146,7 +154,7 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     accumulation = accumulation_steps(t.global_batch_size, micro, dp)  # the trainer's own rule
     gb = accumulation * micro * dp
     tokens = micro * seq
-    p = Plan(teacher=cfg.model.teacher, student=cfg.model.student, gpus=gpus, tp=tp, dp=dp, precision=fm.label,
+    p = Plan(teacher=_label(cfg, "teacher", teacher), student=_label(cfg, "student", student), gpus=gpus, tp=tp, dp=dp, precision=fm.label,
              micro_batch=micro, seq=seq, global_batch=gb, accumulation=gb // (micro * dp), recompute=recompute,
              sequence_parallel=sp, distributed_optimizer=distopt, mfu=mfu, peak_tflops=float(t.gpu_peak_tflops),
              gpu_memory_gb=t.gpu_memory_gb, attention=attention)

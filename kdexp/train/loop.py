@@ -49,7 +49,7 @@ def build_student(cfg, vocab_size: int) -> torch.nn.Module:
     real = models.vocab_alignment(cfg).get("real_vocab")  # model.vocab_alignment=tokenizer: padded ids -inf
     if cfg.model.student_path is not None:
         return models.load_hf(cfg.model.student_path, params_dtype=dtype, real_vocab=real, **memory)
-    name = cfg.model.student
+    name = models.size_key(cfg.model.student)
     spec = models.get_spec(name, vocab_size=vocab_size) if name.startswith("tiny") else models.QWEN3_SIZES[name]
     model = models.build(spec, params_dtype=dtype, **memory)
     return model if real is None else models.mask_padded_vocab(model, real)

@@ -32,6 +32,24 @@ from kdexp.track.loggers import log_reused, open_loggers
 log = logging.getLogger("kdexp")
 
 
+def model_labels(cfg) -> dict:
+    """Per role, what the run trains and distills from: the checkpoint's label and shape read from its config.json
+    (kdexp.models.label: its size name when it has a Qwen3 size's shape), else the size name (a tiny preset's
+    vocabulary is the tokenizer's)."""
+    from kdexp import assets, models
+
+    out = {}
+    for role in ("teacher", "student"):
+        path = assets.teacher_checkpoint(cfg.model) if role == "teacher" else cfg.model.student_path
+        if path is None:
+            out[role] = {"label": models.size_key(getattr(cfg.model, role))}
+            continue
+        spec = models.spec_from_hf(models.read_config(path))
+        out[role] = {"label": models.label(spec, path), "path": str(path), "params": spec.num_params(),
+                     "shape": models.shape_of(spec)}
+    return out
+
+
 def _quiet_megatron() -> None:
     """megatron-core logs every dataset index step at INFO and warns about optional fused kernels it can do without.
     The filters name megatron's modules, so that a warning of kdexp's (or another library's) with the same words
@@ -127,7 +145,10 @@ def _run_point(cfg, run_dir: Path, multirun: bool, overrides: list, hc) -> dict:
 
     wandb_logger = open_loggers(cfg, run_dir, hc, enabled=distributed.is_rank0(), overrides=overrides)
     record = {"config_hash": key, "overrides": overrides, "steps": cfg.trainer.max_steps, "reused_from": None,
-              "run_dir": str(run_dir), "wandb_id": rundir.wandb_id(run_dir)}
+              "run_dir": str(run_dir), "wandb_id": rundir.wandb_id(run_dir), "models": model_labels(cfg)}
+    if distributed.is_rank0():
+        log.info("teacher %s -> student %s", *(f"{m['label']} ({m['shape']})" if "shape" in m else m["label"]
+                                                for m in record["models"].values()))
     try:
         # with trainer.export_hf, distill writes run_dir/student_hf (weights, tokenizer, generation config)
         final, _ = distill(cfg, run_dir, config_hash=key, resume_from=previous, wandb_logger=wandb_logger)
