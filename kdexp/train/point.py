@@ -57,6 +57,14 @@ def _quiet_megatron() -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*", module=r"megatron\.")
     warnings.filterwarnings("ignore", message=".*(Apex|apex|TransformerEngine|transformer_engine).*", module=r"megatron\.")
+    # megatron's sequence-parallel collectives call torch's old names (all_gather_into_tensor, reduce_scatter_tensor):
+    # torch's deprecation notice is about megatron's code, not the user's
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+                            "is deprecated", category=FutureWarning)
+    import torch
+
+    if not torch.cuda.is_available():  # CUDA-only advice on a CPU run (CUDA_DEVICE_MAX_CONNECTIONS for SP overlap)
+        warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*", module=r"megatron\.")
 
 
 def _identity(cfg):
