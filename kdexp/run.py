@@ -133,6 +133,8 @@ def _single_run_failed(code: Optional[int], line: Optional[str], run_dir, error_
     global _EXIT
     if code is not None:
         _EXIT = code
+    if line is not None:
+        _tell_torchrun(line)
     from kdexp.track.sweep import global_rank
 
     if global_rank() == 0:
@@ -140,6 +142,26 @@ def _single_run_failed(code: Optional[int], line: Optional[str], run_dir, error_
             print(line, file=sys.stderr, flush=True)
         if error_text is not None:
             records.write_error(run_dir, "run failed", error_text)
+
+
+def _tell_torchrun(line: str) -> None:
+    """Under torchrun, the line into this rank's elastic error file (TORCHELASTIC_ERROR_FILE, the JSON torch's own
+    @record writes), so that torchrun's failure summary names kdexp's line as the root cause instead of "<N/A>".
+    torchrun itself still ends with its ChildFailedError traceback and exit status 1 whatever the ranks' status (2
+    here): docs/running.md says so, and how to check a config before launching."""
+    import json
+    import os
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line + "\n",
+                                                                   "timestamp": str(int(time.time()))}}}, f)
+    except OSError:
+        pass  # the launcher's summary is a courtesy; the line is on stderr already
 
 
 @hydra.main(version_base="1.3", config_path="pkg://kdexp.conf", config_name="config")

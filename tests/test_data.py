@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kdexp.data.sources as sources_mod
-from kdexp.config import DataConfig
+from kdexp.config import DataConfig, tokens
 from kdexp.data import atomic_dir, batches, build_cached, cached_path, embedded_corpus, embedded_documents
 from kdexp.data import prepare as data_prepare
 from kdexp.data.cache import cache_dir
@@ -362,7 +362,12 @@ def test_preprocess_cli_matches_direct_tokenization(tmp_path, small):
     ds = read_indexed(prefix)
     expected = [tok.encode(t) + [tok.eod] for t in texts if t]  # the empty document is skipped
     assert [ds[i].tolist() for i in range(len(ds))] == expected
-    assert sorted(p.name for p in prefix.parent.iterdir()) == ["corpus.bin", "corpus.idx"]
+    assert sorted(p.name for p in prefix.parent.iterdir()) == ["corpus.bin", "corpus.idx", "corpus.kdexp.json"]
+    record = json.loads((prefix.parent / "corpus.kdexp.json").read_text())
+    assert record["max_token_id"] == max(max(ids) for ids in expected) and record["documents"] == 3
+    assert record["tokens"] == sum(map(len, expected))
+    assert record["tokenizer"] == {"id": tokens.tokenizer_id(tmp_path / "tok"), "directory": str(tmp_path / "tok"),
+                                   "vocab_size": tok.vocab_size, "eod": tok.eod}
     with pytest.raises(ValueError, match="body"):
         main(["--input", str(tmp_path / "a.jsonl"), "--tokenizer", str(tmp_path / "tok"), "--output-prefix",
               str(tmp_path / "x"), "--json-key", "body"])

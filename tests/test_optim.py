@@ -167,6 +167,12 @@ def _trainer(**kw):
     return SimpleNamespace(**{**base, **kw})
 
 
+def _bf16_formats(distributed_optimizer=False):
+    from kdexp.config import precision
+
+    return precision.formats("float32", "bf16", "megatron", distributed_optimizer, cuda=True)
+
+
 def test_megatron_path_is_taken_on_cuda_only(lone_process):
     from kdexp.train import megatron_optim
 
@@ -187,7 +193,7 @@ def test_megatron_ddp_accumulates_the_same_fp32_grads_as_master_adamw(lone_proce
     ours = _tiny_bf16_model()
     opt = optim.make_optimizer(ours, lr=1e-3, weight_decay=0.1, master_weights=True)
     theirs = _tiny_bf16_model()
-    ddp = DistributedDataParallel(config=theirs.config, ddp_config=megatron_optim.ddp_config(_trainer()),
+    ddp = DistributedDataParallel(config=theirs.config, ddp_config=megatron_optim.ddp_config(_bf16_formats()),
                                   module=theirs)
     ddp.zero_grad_buffer()
     for i, seed in enumerate((0, 1)):
@@ -207,7 +213,7 @@ def test_megatron_optimizer_config_is_the_torch_adamw_and_its_decay_groups(lone_
     from kdexp.train import megatron_optim
 
     t = _trainer()
-    cfg = megatron_optim.optimizer_config(t, torch.bfloat16)
+    cfg = megatron_optim.optimizer_config(t, _bf16_formats())
     assert (cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps) == (*optim.BETAS, optim.EPS)
     assert (cfg.lr, cfg.min_lr, cfg.weight_decay, cfg.clip_grad) == (1e-3, 1e-4, 0.1, 1.0)
     assert cfg.bf16 and cfg.decoupled_weight_decay and cfg.main_params_dtype == torch.float32
@@ -215,7 +221,8 @@ def test_megatron_optimizer_config_is_the_torch_adamw_and_its_decay_groups(lone_
     # without TE/apex megatron's Adam is torch's AdamW, the class MasterAdamW steps with (GPUs get FusedAdam)
     assert mopt.Adam is torch.optim.AdamW and issubclass(optim.MasterAdamW, torch.optim.AdamW)
     model = _tiny_bf16_model()
-    ddp = DistributedDataParallel(config=model.config, ddp_config=megatron_optim.ddp_config(t), module=model)
+    ddp = DistributedDataParallel(config=model.config, ddp_config=megatron_optim.ddp_config(_bf16_formats()),
+                                  module=model)
     groups = mopt._get_param_groups([ddp], cfg, None)
     megatron_optim.apply_weight_decay(groups, t.weight_decay)  # what the CUDA path does to its optimizer's groups
     decay_of = {id(p): g["weight_decay"] for g in groups for p in g["params"]}

@@ -60,6 +60,16 @@ def test_exported_student_loads_in_transformers(smoke_run):
     assert logits.shape == (1, 16, 2048) and torch.isfinite(logits).all()
 
 
+def test_exported_student_generates_with_transformers_alone(smoke_run):
+    """The run's own export (tests/test_export.py checks the files; here the run writes them): the shipped BPE's
+    tokenizer and generation ids ride along, and generate stops at its eos."""
+    from test_export import _generate, _stops_at_eos
+
+    run_dir, _ = smoke_run
+    _stops_at_eos(_generate(run_dir / "student_hf"), json.loads((run_dir / "student_hf" /
+                                                                "generation_config.json").read_text())["eos_token_id"])
+
+
 def test_rerun_in_same_dir_does_not_retrain(smoke_run, env):
     run_dir, _ = smoke_run
     before = summary(run_dir)

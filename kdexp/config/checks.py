@@ -11,8 +11,8 @@ from typing import Any, Optional
 
 from kdexp.config.overrides import unknown_keys
 from kdexp.config.rules import unresolved
-from kdexp.config.sources import (ALIGNMENTS, check_alignment, check_data, check_model, check_tokenizer, layer_counts,
-                                  shapes, tokenizer_vocab)
+from kdexp.config.sources import (ALIGNMENTS, check_alignment, check_data, check_model, check_token_files,
+                                  check_tokenizer, layer_counts, shapes, tokenizer_vocab)
 from kdexp.distributed import launch
 from kdexp.losses.options import LOSS_NAMES, BalancerOptions, KDLossOptions, LossName, SampledKDOptions, \
     check_intermediate, cuts
@@ -277,6 +277,7 @@ def validate(cfg: Any) -> None:
     if both and exact and teacher_vocab != student_vocab:  # needs no tokenizer: said before the tokenizer's checks
         check_alignment("exact", teacher_vocab, student_vocab, None)
     check_tokenizer(cfg)
+    check_token_files(cfg, sizes)
     if both and not exact:
         check_alignment(cfg.model.vocab_alignment, teacher_vocab, student_vocab, tokenizer_vocab(cfg))
         teacher_vocab = student_vocab  # the teacher is loaded with the student's rows

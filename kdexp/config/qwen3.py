@@ -74,10 +74,45 @@ QWEN3_SIZES: dict[str, Qwen3Spec] = {
 }
 
 
+def size_key(name: Any) -> Optional[str]:
+    """The QWEN3_SIZES key a size name spells, or None: case-insensitive, with or without "Qwen/" and "Qwen3-"
+    ("Qwen/Qwen3-1.7B", "Qwen3-1.7B", "1.7B" and "1.7b" are one size). The one table of spellings: the config
+    checks, the plan and the model builder all read names through it."""
+    if not isinstance(name, str):
+        return None
+    key = name.strip().lower().removeprefix("qwen/").removeprefix("qwen3-")
+    return key if key in QWEN3_SIZES else None
+
+
+_SHAPE = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
+
+
+def shape_of(spec: Qwen3Spec) -> str:
+    """A checkpoint's shape in words: parameters, layers, widths and heads."""
+    return (f"{spec.num_params() / 1e6:,.1f} M params: {spec.num_layers} layers x hidden {spec.hidden_size}, "
+            f"ffn {spec.intermediate_size}, {spec.num_heads}/{spec.num_kv_heads} heads x {spec.head_dim}, "
+            f"vocab {spec.vocab_size}")
+
+
+def same_shape(a: Qwen3Spec, b: Qwen3Spec) -> bool:
+    """Equal layer shapes (the vocabulary aside: tiny presets take the tokenizer's, checkpoints may pad theirs)."""
+    return all(getattr(a, f) == getattr(b, f) for f in _SHAPE)
+
+
+def label(spec: Qwen3Spec, path: Optional[str] = None) -> str:
+    """What a run calls a model: its size name when the shape is one of QWEN3_SIZES; else, for a checkpoint of another
+    shape, its directory's name and parameter count."""
+    for key, known in QWEN3_SIZES.items():
+        if same_shape(spec, known):
+            return key
+    name = str(path).rstrip("/").rsplit("/", 1)[-1] if path else "custom"
+    return f"{name} ({spec.num_params() / 1e6:,.1f}M)"
+
+
 def get_spec(name: str, *, vocab_size: Optional[int] = None, **overrides) -> Qwen3Spec:
-    """QWEN3_SIZES[name] (case-insensitive, "Qwen3-0.6B" works too), with vocab_size/other fields replaced."""
-    key = name.lower().removeprefix("qwen/").removeprefix("qwen3-")
-    if key not in QWEN3_SIZES:
+    """QWEN3_SIZES[name] (any spelling `size_key` reads), with vocab_size/other fields replaced."""
+    key = size_key(name)
+    if key is None:
         raise ValueError(f"model.size={name!r} is not known; choose one of {sorted(QWEN3_SIZES)}")
     if vocab_size is not None:
         overrides["vocab_size"] = vocab_size

@@ -18,10 +18,11 @@ from kdexp.losses.options import BalancerOptions, IntermediatePair, KDLossOption
 
 @dataclass
 class ModelConfig:
-    # a Qwen3 size in kdexp.config.qwen3.QWEN3_SIZES (model=qwen3 sets 1.7b / 0.6b; a real size loads its weights from
-    # teacher_path / student_path), or the embedded tiny pair
-    teacher: str = "tiny-teacher"
-    student: str = "tiny-student"  # as model.teacher
+    # a size of kdexp.config.qwen3.QWEN3_SIZES in any spelling its size_key reads ("1.7b", "Qwen3-1.7B",
+    # "Qwen/Qwen3-1.7B"); optional (null) with a checkpoint path, whose config.json gives the shape and the label; a
+    # name given beside a path must be the checkpoint's shape
+    teacher: Optional[str] = "tiny-teacher"
+    student: Optional[str] = "tiny-student"
     teacher_path: Optional[str] = None  # local HF checkpoint dir; required for real (non-tiny) teachers
     student_path: Optional[str] = None  # local HF checkpoint dir to start the student from; None = random init
     params_dtype: str = "float32"  # float32 | bfloat16

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kdexp import assets
-from kdexp.config.qwen3 import QWEN3_SIZES
+from kdexp.config.qwen3 import QWEN3_SIZES, size_key
+from kdexp.config import tokens
 from kdexp.rules import choice, fail, integer, is_int, number
 
 _DTYPES = ("float32", "bfloat16")
@@ -18,9 +19,44 @@ ATTENTION = ("sdpa", "megatron")  # kdexp.models.build.ATTENTION (no torch impor
 
 
 def _model_shape(name: str, key: str):
-    if name not in QWEN3_SIZES:
-        fail(key, name, f"must be one of {sorted(QWEN3_SIZES)}")
-    return QWEN3_SIZES[name]
+    if size_key(name) is None:
+        fail(key, name, f"must be one of {sorted(QWEN3_SIZES)} (any case, 'Qwen3-1.7B' and 'Qwen/Qwen3-1.7B' too), "
+             f"or null with {key}_path (the checkpoint names itself)")
+    return QWEN3_SIZES[size_key(name)]
+
+
+def _is_tiny(name: Any) -> bool:
+    return (size_key(name) or "").startswith("tiny")
+
+
+def _role_shape(cfg: Any, role: str):
+    """The size model.<role> names (None when it is null and a checkpoint path gives the shape)."""
+    name = getattr(cfg.model, role)
+    if name is None:
+        if _checkpoint(cfg, role)[1] is None:
+            fail(f"model.{role}", None, f"must name a size when model.{role}_path is not set")
+        return None
+    return _model_shape(name, f"model.{role}")
+
+
+# config.json field -> Qwen3Spec field: the layer shape a size name promises
+_HF_SHAPE = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size", "num_hidden_layers": "num_layers",
+             "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim"}
+
+
+def _check_name_matches(cfg: Any, role: str) -> None:
+    """A size name given beside model.<role>_path must be the checkpoint's shape: a name that disagrees is refused
+    rather than printed as a label of the wrong model."""
+    spec, (key, path) = _role_shape(cfg, role), _checkpoint(cfg, role)
+    if spec is None or path is None or key == "model.embedded_teacher":
+        return
+    hf = _hf_config(key, path)
+    diff = [f"{field_} {hf[field_]} vs {getattr(spec, ours)}" for field_, ours in _HF_SHAPE.items()
+            if is_int(hf.get(field_)) and hf[field_] != getattr(spec, ours)]
+    if diff:
+        name = getattr(cfg.model, role)
+        fail(f"model.{role}", name, f"{key}={path} is a checkpoint of another shape ({', '.join(diff)} of {name}): "
+             f"set model.{role}=null to take the checkpoint's own shape and label, or name its size")
 
 
 _HF_NEEDS = ("vocab_size", "num_attention_heads")  # what validate reads from a checkpoint's config.json
@@ -59,16 +95,15 @@ def shapes(cfg: Any) -> dict:
     """Per role: (vocabulary or None when the tokenizer decides it, heads, kv heads, max positions)."""
     out = {}
     for role in ("teacher", "student"):
-        name = getattr(cfg.model, role)
         key, path = _checkpoint(cfg, role)
-        spec = _model_shape(name, f"model.{role}")
+        spec = _role_shape(cfg, role)
         if path is not None:
             hf = _hf_config(key, path)
             heads = hf["num_attention_heads"]
             out[role] = (hf["vocab_size"], heads, hf.get("num_key_value_heads") or heads,
-                         hf.get("max_position_embeddings") or spec.max_position_embeddings)
+                         hf.get("max_position_embeddings") or (spec.max_position_embeddings if spec else 40960))
             continue
-        if name.startswith("tiny"):  # tiny presets take the tokenizer's vocabulary
+        if _is_tiny(getattr(cfg.model, role)):  # tiny presets take the tokenizer's vocabulary
             trained = cfg.data.name == "stdlib" and assets.tokenizer_source(cfg)[1] is None
             vocab = cfg.data.vocab_size if trained else None  # the BPE trained here has data.vocab_size entries
         else:
@@ -82,7 +117,8 @@ def layer_counts(cfg: Any) -> dict:
     out = {}
     for role in ("teacher", "student"):
         key, path = _checkpoint(cfg, role)
-        n = _model_shape(getattr(cfg.model, role), f"model.{role}").num_layers
+        spec = _role_shape(cfg, role)
+        n = spec.num_layers if spec is not None else None
         if path is not None:
             n = _hf_config(key, path).get("num_hidden_layers")
             n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
@@ -92,16 +128,16 @@ def layer_counts(cfg: Any) -> dict:
 
 def check_model(cfg: Any) -> None:
     m = cfg.model
-    _model_shape(m.teacher, "model.teacher")
-    _model_shape(m.student, "model.student")
+    for role in ("teacher", "student"):
+        _check_name_matches(cfg, role)
     choice("model.params_dtype", m.params_dtype, _DTYPES)
     choice("model.attention", m.attention, ATTENTION)
     choice("model.embedded_teacher", m.embedded_teacher, EMBEDDED_TEACHERS)
-    if m.teacher_path is None and not str(m.teacher).startswith("tiny"):
+    if m.teacher_path is None and not _is_tiny(m.teacher):
         fail("model.teacher_path", None,
               f"is required for the real teacher model.teacher={m.teacher!r} (only tiny teachers are pretrained here)")
     if assets.uses_shipped_teacher(m):
-        if m.teacher != assets.SHIPPED_SHAPE:
+        if _model_shape(m.teacher, "model.teacher") is not _model_shape(assets.SHIPPED_SHAPE, "model.teacher"):
             fail("model.teacher", m.teacher, f"must be {assets.SHIPPED_SHAPE!r} with model.embedded_teacher=shipped "
                                              "(the shipped checkpoint's shape); set model.embedded_teacher=pretrain "
                                              "to pretrain this shape here")
@@ -125,8 +161,9 @@ def check_model(cfg: Any) -> None:
 # data
 
 
-def _check_prefixes(key: str, items: Any) -> None:
-    """Megatron prefixes [p, ...] or a weighted blend [w, p, w, p, ...]: each with its .bin and .idx."""
+def _check_prefixes(key: str, items: Any) -> list[str]:
+    """Megatron prefixes [p, ...] or a weighted blend [w, p, w, p, ...]: each with its .bin and .idx; returns the
+    prefixes."""
     items = [str(x) for x in items]
     weights = items[0::2] if len(items) % 2 == 0 else []
 
@@ -151,6 +188,7 @@ def _check_prefixes(key: str, items: Any) -> None:
         lacking = [ext for ext in (".bin", ".idx") if not Path(f"{base}{ext}").is_file()]
         if lacking:
             fail(key, items, f"no indexed dataset at {p!r} (missing {' and '.join(f'{p}{e}' for e in lacking)})")
+    return prefixes
 
 
 _SPLIT = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*,\s*([0-9]+(?:\.[0-9]*)?)\s*,\s*([0-9]+(?:\.[0-9]*)?)\s*")
@@ -196,6 +234,25 @@ def check_tokenizer(cfg: Any) -> None:
     tok = Path(tok).expanduser()
     if not ((tok / "tokenizer.json").is_file() or (tok / "tokenizer_config.json").is_file()):
         fail(key, str(tok), "must be a directory with tokenizer.json (the tokenizer of the data)")
+
+
+def check_token_files(cfg: Any, sizes: dict) -> None:
+    """data=indexed: each prefix's recorded largest token id within both models' vocabularies, and its recorded
+    tokenizer the run's (kdexp.config.tokens; reads one small JSON file per prefix, never the tokens)."""
+    d = cfg.data
+    if d.name != "indexed":
+        return
+    tokenizer_key, tokenizer_dir = assets.tokenizer_source(cfg)
+    groups = [(f"data.{k}", list(getattr(d, k))) for k in ("prefixes", "valid_prefixes") if list(getattr(d, k))]
+    groups = [(k, items, _check_prefixes(k, items)) for k, items in groups]
+    if not any(tokens.meta_path(p).is_file() for _, _, prefixes in groups for p in prefixes):
+        return  # nothing recorded (made by another tool): kdexp.data says so when it opens them
+    vocab, role = min((v if v is not None else tokenizer_vocab(cfg), role) for role, (v, *_) in sizes.items())
+    key, path = _checkpoint(cfg, role)
+    vocab_key = f"{key}={path}" if path is not None else f"model.{role}={getattr(cfg.model, role)}"
+    for k, items, prefixes in groups:
+        tokens.check_prefixes(k, items, prefixes, vocab=vocab, vocab_key=vocab_key, tokenizer_key=tokenizer_key,
+                              tokenizer_dir=tokenizer_dir)
 
 
 ALIGNMENTS = ("exact", "tokenizer")  # model.vocab_alignment (kdexp.models.vocab)

@@ -7,6 +7,9 @@ preprocess tool of its own; this is the small part of Megatron-LM's tools/prepro
 `.jsonl` inputs give one document per line (``--json-key``, default ``text``); any other file is one
 document. Each document is followed by the tokenizer's end-of-document id. The .bin/.idx pair appears
 atomically (temp names, then os.replace: .bin first, .idx last), so a crash never leaves a readable half.
+Beside them ``<prefix>.kdexp.json`` records the tokenizer (its identity: a sha256 of its files, its directory,
+vocabulary size and eod) and the largest token id written: a run checks the corpus against its tokenizer and models
+from that record before building anything (kdexp.config.tokens).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from kdexp.config import tokens
 from kdexp.data.indexed import write_indexed
 from kdexp.data.tokenizer import Tokenizer
 
@@ -43,23 +47,38 @@ def iter_documents(paths: Sequence[str | os.PathLike], json_key: str = "text") -
 def preprocess(inputs: Sequence[str | os.PathLike], tokenizer: Tokenizer, output_prefix: str | os.PathLike,
                *, json_key: str = "text", batch: int = 1024) -> int:
     """Tokenize `inputs` into <output_prefix>.bin/.idx; returns the number of documents written."""
+    if not tokenizer.source or not Path(tokenizer.source).expanduser().is_dir():
+        raise ValueError("preprocess needs the tokenizer of a directory (Tokenizer.from_dir): its files are the "
+                         "identity recorded beside the token files")
     out = Path(output_prefix)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+
+    seen = {"max": -1, "tokens": 0}
+
+    def counted(batch_ids: list[list[int]]) -> Iterator[list[int]]:
+        for ids in batch_ids:
+            if ids:
+                seen["max"], seen["tokens"] = max(seen["max"], max(ids), tokenizer.eod), seen["tokens"] + len(ids) + 1
+                yield ids + [tokenizer.eod]
 
     def docs() -> Iterator[list[int]]:
         pending: list[str] = []
         for text in iter_documents(inputs, json_key):
             pending.append(text)
             if len(pending) == batch:
-                yield from (ids + [tokenizer.eod] for ids in tokenizer.encode_batch(pending) if ids)
+                yield from counted(tokenizer.encode_batch(pending))
                 pending = []
         if pending:
-            yield from (ids + [tokenizer.eod] for ids in tokenizer.encode_batch(pending) if ids)
+            yield from counted(tokenizer.encode_batch(pending))
 
     try:
         count = write_indexed(tmp, docs(), tokenizer.vocab_size)
         os.replace(f"{tmp}.bin", f"{out}.bin")
+        source = Path(tokenizer.source).expanduser()
+        tokens.write(out, {"tokenizer": {"id": tokens.tokenizer_id(source), "directory": str(source.resolve()),
+                                         "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod},
+                           "max_token_id": seen["max"], "documents": count, "tokens": seen["tokens"]})
         os.replace(f"{tmp}.idx", f"{out}.idx")
     finally:
         for suffix in (".bin", ".idx"):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kdexp import distributed
+from kdexp.config import tokens
 from kdexp.data import cache as _cache
 from kdexp.data.corpus import corpus_fingerprint, embedded_corpus
 from kdexp.data.indexed import indexed_exists, read_indexed, tokenize_to_indexed
@@ -136,7 +137,13 @@ def indexed_sources(data_cfg, tokenizer_path) -> tuple[Tokenizer, Any, Any, int,
     tokenizer = Tokenizer.from_dir(tok_path)
     blend = _blend("prefixes", _prefix_list("prefixes", data_cfg.prefixes))
     info = {"source": "indexed", "tokenizer": str(tok_path), "prefixes": blend[0]}
-    if data_cfg.valid_prefixes:  # separate validation data: megatron's blend_per_split
-        valid = _blend("valid_prefixes", _prefix_list("valid_prefixes", data_cfg.valid_prefixes))
+    valid = _blend("valid_prefixes", _prefix_list("valid_prefixes", data_cfg.valid_prefixes)) \
+        if data_cfg.valid_prefixes else None
+    unchecked = tokens.unrecorded(blend[0] + (valid[0] if valid else []))
+    if unchecked and distributed.is_rank0():
+        log.warning("data: %s %s no %s record (not made by kdexp.data.preprocess): %s tokenizer and largest token id "
+                    "are not checked against the run's", ", ".join(unchecked), "has" if len(unchecked) == 1 else
+                    "have", tokens.SUFFIX, "its" if len(unchecked) == 1 else "their")
+    if valid:  # separate validation data: megatron's blend_per_split
         return tokenizer, None, [blend, valid, None], tokenizer.vocab_size, info
     return tokenizer, blend, None, tokenizer.vocab_size, info

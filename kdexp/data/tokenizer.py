@@ -26,6 +26,10 @@ _META = "kdexp_tokenizer.json"
 # Names real checkpoints use for the end-of-document token, preferred in this order (Qwen3: <|endoftext|>;
 # its chat models' eos <|im_end|> ends a turn, not a document).
 _EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+# A checkpoint's tokenizer files as Hugging Face writes them (tokenizer_config.json and generation_config.json are
+# composed by `hf_files`, the others copied as they are).
+_HF_FILES = ("tokenizer.json", "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json",
+             "tokenizer.model", "chat_template.jinja", "chat_template.json")
 
 
 class Tokenizer:
@@ -63,6 +67,43 @@ class Tokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
 
+    def hf_files(self, *, max_length: int | None = None) -> dict[str, bytes]:
+        """The files a Hugging Face checkpoint needs to tokenize and generate as this run did, by name: the source
+        checkpoint's tokenizer files as they are (its chat template included); tokenizer.json from the backend when
+        the source has none (the BPE trained here); tokenizer_config.json from the source's with an eos and pad token
+        added where it names none (this tokenizer's end-of-document token); generation_config.json from the source's
+        (its sampling defaults) with the bos / eos / pad ids of this tokenizer (eos: every end token the source
+        names, plus the end-of-document id)."""
+        src = Path(self.source) if self.source and Path(self.source).is_dir() else None
+        out = {n: (src / n).read_bytes() for n in _HF_FILES if src is not None and (src / n).is_file()}
+        out.setdefault("tokenizer.json", self.backend.to_str().encode("utf-8"))
+        config = _read_json(src, "tokenizer_config.json")
+        if not _token(config.get("eos_token")):
+            config["eos_token"] = self.backend.id_to_token(self.eod)
+        if not _token(config.get("pad_token")):
+            config["pad_token"] = _token(config["eos_token"])
+        config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+        config.setdefault("clean_up_tokenization_spaces", False)
+        if max_length is not None:
+            config.setdefault("model_max_length", int(max_length))
+        generation = _read_json(src, "generation_config.json")
+        eos = generation.get("eos_token_id")
+        eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        for token in (_token(config["eos_token"]),):
+            tid = self.backend.token_to_id(token)
+            if tid is not None and tid not in eos:
+                eos.append(tid)
+        if self.eod not in eos:
+            eos.append(self.eod)
+        generation["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+        generation["pad_token_id"] = self.backend.token_to_id(_token(config["pad_token"]))
+        bos = _token(config.get("bos_token"))
+        if bos and self.backend.token_to_id(bos) is not None:
+            generation["bos_token_id"] = self.backend.token_to_id(bos)
+        out["tokenizer_config.json"] = (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+        out["generation_config.json"] = (json.dumps(generation, indent=2) + "\n").encode("utf-8")
+        return out
+
     def save(self, directory: str | os.PathLike) -> Path:
         """Write tokenizer.json (loadable by tokenizers/transformers) and our eod choice; returns the dir."""
         directory = Path(directory)
@@ -95,6 +136,16 @@ class Tokenizer:
                 raise ValueError(f"tokenizer in {directory} has no fast (tokenizers) backend")
             backend = hf.backend_tokenizer
         return cls(backend, _find_eod(directory, backend), source=str(directory))
+
+
+def _read_json(directory: Path | None, name: str) -> dict:
+    file = None if directory is None else directory / name
+    return json.loads(file.read_text()) if file is not None and file.is_file() else {}
+
+
+def _token(value) -> str | None:
+    """A special token as tokenizer_config.json spells it: a string, or an AddedToken dict with its content."""
+    return value.get("content") if isinstance(value, dict) else value
 
 
 def _find_eod(directory: Path, backend: tokenizers.Tokenizer) -> int:

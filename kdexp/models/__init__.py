@@ -23,13 +23,13 @@ from kdexp.models.build import (build, capture_hidden, cast, check_tp, final_hid
                                 sequence_parallel, transformer_config, vocab_parallel_logits)
 from kdexp.models.generation import Rollout, generate, rollout_seeds
 from kdexp.models.hf import load_hf, read_config, save_hf
-from kdexp.config.qwen3 import QWEN3_SIZES, Qwen3Spec, get_spec, spec_from_hf, spec_to_hf
+from kdexp.config.qwen3 import QWEN3_SIZES, Qwen3Spec, get_spec, label, shape_of, size_key, spec_from_hf, spec_to_hf
 from kdexp.models.vocab import mask_padded_vocab, padded_vocab_mask, vocab_alignment
 
 # model.params_dtype names -> torch dtypes (config.validate allows exactly these names)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
-__all__ = ["DTYPES", "Qwen3Spec", "QWEN3_SIZES", "get_spec", "spec_from_hf", "spec_to_hf", "build", "capture_hidden",
+__all__ = ["DTYPES", "Qwen3Spec", "QWEN3_SIZES", "get_spec", "size_key", "label", "shape_of", "spec_from_hf", "spec_to_hf", "build", "capture_hidden",
            "cast", "check_tp", "final_hidden", "output_weight", "sequence_parallel", "transformer_config",
            "forward_logits", "vocab_parallel_logits", "load_hf", "save_hf", "read_config", "mask_padded_vocab",
            "padded_vocab_mask", "generate", "Rollout", "rollout_seeds",

@@ -226,11 +226,14 @@ def _unwrap(model):
     return model
 
 
-def save_hf(model, path, spec: Optional[Qwen3Spec] = None, *, dtype: Optional[torch.dtype] = None) -> None:
+def save_hf(model, path, spec: Optional[Qwen3Spec] = None, *, dtype: Optional[torch.dtype] = None,
+            files: Optional[dict[str, bytes]] = None) -> None:
     """Write `model` as a HF Qwen3 checkpoint dir (config.json + model.safetensors) that transformers loads.
 
     Collective over the TP group (call it on every rank); global rank 0 writes, atomically (temp dir, rename).
-    `dtype` converts the written tensors (default: the parameters' dtype).
+    `dtype` converts the written tensors (default: the parameters' dtype). `files`: more files of the checkpoint by
+    name (the tokenizer's and generation_config.json: kdexp.data.tokenizer.Tokenizer.hf_files), written in the same
+    temp dir, so the directory appears whole or not at all.
     """
     from megatron.core import parallel_state as ps
     from safetensors.torch import save_file
@@ -239,6 +242,9 @@ def save_hf(model, path, spec: Optional[Qwen3Spec] = None, *, dtype: Optional[to
     spec = spec or getattr(model, "kdexp_spec", None)
     if spec is None:
         raise ValueError("save_hf: spec is required (the model carries none)")
+    for name in files or {}:
+        if name in ("config.json", "model.safetensors") or Path(name).name != name or name in ("", ".", ".."):
+            raise ValueError(f"save_hf: {name!r} is not a file name the checkpoint may take")
     tp, group = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_group()
     tensors = {}
     for name, param in model.named_parameters():
@@ -258,6 +264,8 @@ def save_hf(model, path, spec: Optional[Qwen3Spec] = None, *, dtype: Optional[to
         cfg = spec_to_hf(spec, dtype=str(out_dtype).removeprefix("torch."))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for name, data in (files or {}).items():
+            (tmp / name).write_bytes(data)
         old = path.parent / f".{path.name}.old-{os.getpid()}"
         if path.exists():
             os.replace(path, old)  # a directory cannot be replaced while non-empty: move it aside first

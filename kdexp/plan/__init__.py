@@ -11,10 +11,10 @@ Memory is the peak of torch's allocator (what ``torch.cuda.max_memory_allocated`
 student's backward pass: teacher and student weights, the student's gradients and optimizer state (allocated for the
 whole run), all layers' saved activations of one micro-batch, the logit-sized buffers of the LM and KD losses. A
 fixed reserve (CUDA context, cuBLAS workspace, NCCL buffers, allocator fragmentation) is added before comparing with
-the GPU's memory. Precision: fp32 keeps fp32 weights, gradients and Adam moments; bf16 (trainer.precision) keeps bf16
-weights and activations with fp32 gradients (reduced in fp32), fp32 master weights and Adam moments (12 bytes per
-parameter, split over DP with a distributed optimizer); model.params_dtype=bfloat16 alone is pure bf16 (AdamW on the
-bf16 weights). The teacher never has gradients or optimizer state. With teacher=cached the step reads the batch's
+the GPU's memory. Precision is kdexp.config.precision's rule, the one the trainer builds by: fp32 keeps fp32 weights,
+gradients and Adam moments; bf16 weights (trainer.precision=bf16 or model.params_dtype=bfloat16) come with fp32
+gradients, fp32 master weights and Adam moments (12 bytes per parameter, split over DP with a distributed
+optimizer). The teacher never has gradients or optimizer state. With teacher=cached the step reads the batch's
 decoded cache record (kdexp.teacher.format.Layout.decoded_bytes_per_token) instead of running the teacher: no teacher
 logits, forward transient or FLOPs in the step; its weights stay for evaluation.
 """
@@ -84,22 +84,25 @@ def model_spec(cfg, role: str):
     path = getattr(cfg.model, f"{role}_path")
     if path is not None:
         return models.spec_from_hf(models.read_config(os.path.expanduser(path)))
-    name = getattr(cfg.model, role)
+    name = models.size_key(getattr(cfg.model, role))
     if name.startswith("tiny") and cfg.data.name == "stdlib" and cfg.data.tokenizer is None:
         return models.get_spec(name, vocab_size=cfg.data.vocab_size)
     return models.get_spec(name)
 
 
-def _precision(cfg) -> tuple[str, int, int, int]:
-    """(name, weight/activation bytes, gradient bytes, optimizer bytes per parameter)."""
-    precision = cfg.trainer.precision
-    if precision not in ("fp32", "bf16"):
-        raise ValueError(f"trainer.precision={precision!r} is invalid: must be one of fp32, bf16")
-    if precision == "bf16":
-        return "bf16 (fp32 master)", 2, 4, 12
-    if cfg.model.params_dtype == "bfloat16":
-        return "pure bf16 (model.params_dtype)", 2, 2, 4
-    return "fp32", 4, 4, 8
+def _label(cfg, role: str, spec) -> str:
+    """The role's name in the plan: its size, or for a checkpoint of another shape its directory and parameters."""
+    from kdexp import models
+
+    path = getattr(cfg.model, f"{role}_path")
+    return models.label(spec, path) if path is not None else models.size_key(getattr(cfg.model, role))
+
+
+def _formats(cfg):
+    """The run's numeric formats on GPUs (kdexp.config.precision: the rule the trainer builds by)."""
+    from kdexp.config import precision
+
+    return precision.of(cfg, cuda=True)
 
 
 def _chunk_rows(tokens: int, local_vocab: int) -> int:
@@ -123,6 +126,7 @@ def _cache_layout(cfg, vocab: int):
 
 def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU) -> Plan:
     """The plan of a composed config on `gpus` GPUs (default: one DP replica, parallel.tensor GPUs)."""
+    from kdexp.config import precision
     from kdexp.config.checks import accumulation_steps
     from kdexp.losses import BalancerOptions, KDLossOptions
     import torch
@@ -142,26 +146,30 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     check_tp(student, tp)
     recompute, attention = t.recompute, cfg.model.attention
     sp = bool(par.sequence) and tp > 1
-    name, e, grad_b, opt_b = _precision(cfg)
-    distopt = bool(t.distributed_optimizer)  # megatron's ZeRO-1: optimizer state split over DP
+    fm = _formats(cfg)
+    e, grad_b, opt_b = fm.weight_bytes, fm.grad_bytes, fm.optimizer_bytes
+    distopt = fm.sharded  # megatron's ZeRO-1: optimizer state split over DP
     micro, seq = int(t.micro_batch_size), int(t.seq_length)
     accumulation = accumulation_steps(t.global_batch_size, micro, dp)  # the trainer's own rule
     gb = accumulation * micro * dp
     tokens = micro * seq
-    p = Plan(teacher=cfg.model.teacher, student=cfg.model.student, gpus=gpus, tp=tp, dp=dp, precision=name,
+    p = Plan(teacher=_label(cfg, "teacher", teacher), student=_label(cfg, "student", student), gpus=gpus, tp=tp, dp=dp, precision=fm.label,
              micro_batch=micro, seq=seq, global_batch=gb, accumulation=gb // (micro * dp), recompute=recompute,
              sequence_parallel=sp, distributed_optimizer=distopt, mfu=mfu, peak_tflops=float(t.gpu_peak_tflops),
              gpu_memory_gb=t.gpu_memory_gb, attention=attention)
 
     n_t, n_s = sizing.params_per_rank(teacher, tp), sizing.params_per_rank(student, tp)
     opt_share = dp if distopt else 1
-    dt = "bf16" if e == 2 else "fp32"
+    dt = precision.SHORT[fm.weights]
     p.items += [
         ("teacher weights", n_t * e, f"{n_t / 1e6:,.1f} M params per TP rank, {dt}, no grads"),
         ("student weights", n_s * e, f"{n_s / 1e6:,.1f} M params per TP rank, {dt}"),
-        ("student gradients", n_s * grad_b, f"{'fp32' if grad_b == 4 else 'bf16'}"),
+        ("student gradients", n_s * grad_b, precision.SHORT[fm.grads]
+         + (" (the bf16 backward's moved into the masters' as it runs)" if fm.master and not fm.megatron else
+            " (megatron's contiguous DDP buffers)" if fm.megatron else "")),
         ("optimizer state", n_s * opt_b / opt_share,
-         ("fp32 master + Adam m, v" if opt_b == 12 else f"Adam m, v ({'fp32' if opt_b == 8 else 'bf16'})")
+         (f"{precision.SHORT[fm.master]} master + " if fm.master else "")
+         + f"Adam m, v ({precision.SHORT[fm.moments]})"
          + (f", split over DP={dp}" if distopt else ", not split (no distributed optimizer)")),
     ]
     layer = sizing.layer_bytes(student, tokens, seq, e, sizing.Parallel(tp, sp), recompute, attention)

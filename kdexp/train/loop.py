@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from kdexp import assets, distributed, models
+from kdexp.config import precision
 from kdexp.config.checks import accumulation_steps
 from kdexp.data import batches, prepare
 from kdexp.track import faults
@@ -33,9 +34,15 @@ from kdexp.train.teacher import get_teacher, teacher_identity
 log = logging.getLogger("kdexp")
 
 
+def run_formats(cfg) -> precision.Formats:
+    """This process's numeric formats (kdexp.config.precision: the rule kdexp.plan sizes by)."""
+    return precision.of(cfg, cuda=torch.cuda.is_available())
+
+
 def student_dtype(cfg) -> torch.dtype:
-    """trainer.precision=bf16: bf16 weights (fp32 masters in the optimizer); fp32: model.params_dtype as given."""
-    return torch.bfloat16 if cfg.trainer.precision == "bf16" else models.DTYPES[cfg.model.params_dtype]
+    """The student's (and the teacher's) weight dtype: bf16 under trainer.precision=bf16 or
+    model.params_dtype=bfloat16 (fp32 masters in the optimizer), else fp32."""
+    return models.DTYPES[run_formats(cfg).weights]
 
 
 def build_student(cfg, vocab_size: int) -> torch.nn.Module:
@@ -45,10 +52,19 @@ def build_student(cfg, vocab_size: int) -> torch.nn.Module:
     real = models.vocab_alignment(cfg).get("real_vocab")  # model.vocab_alignment=tokenizer: padded ids -inf
     if cfg.model.student_path is not None:
         return models.load_hf(cfg.model.student_path, params_dtype=dtype, real_vocab=real, **memory)
-    name = cfg.model.student
+    name = models.size_key(cfg.model.student)
     spec = models.get_spec(name, vocab_size=vocab_size) if name.startswith("tiny") else models.QWEN3_SIZES[name]
     model = models.build(spec, params_dtype=dtype, **memory)
     return model if real is None else models.mask_padded_vocab(model, real)
+
+
+def build_optimizer(cfg, student: torch.nn.Module):
+    """The student's optimizer in the formats kdexp.config.precision decides: megatron's DDP + (distributed) optimizer
+    on CUDA, else kdexp.train.optim's AdamW (with fp32 masters for bf16 weights)."""
+    t, formats = cfg.trainer, run_formats(cfg)
+    if megatron_optim.uses_megatron(t.optimizer):
+        return megatron_optim.MegatronOptimizer(student, t, formats)
+    return optim.make_optimizer(student, lr=t.lr, weight_decay=t.weight_decay, master_weights=formats.master is not None)
 
 
 @dataclasses.dataclass
@@ -97,8 +113,8 @@ def setup(cfg, *, make_teacher: Callable = get_teacher) -> Setup:
                    val_samples=t.eval_iters * global_batch,
                    tokenizer_path=assets.tokenizer_source(cfg)[1])
     teacher = make_teacher(cfg, data)
-    if t.precision == "bf16" and next(teacher.parameters()).dtype != torch.bfloat16:
-        teacher = models.cast(teacher, torch.bfloat16)  # frozen: no grads, no optimizer state, half the memory
+    if next(teacher.parameters()).dtype != student_dtype(cfg):
+        teacher = models.cast(teacher, student_dtype(cfg))  # frozen: no grads, no optimizer state
     balancer = objective.build_balancer(cfg.balancer)
     # Before the student: a cached teacher's one pass into the cache runs here (skipped when the cache exists). The
     # teacher's identity keys that cache; asked only then (a make_teacher stand-in may have no checkpoint to name).
@@ -108,13 +124,7 @@ def setup(cfg, *, make_teacher: Callable = get_teacher) -> Setup:
     student = build_student(cfg, data.vocab_size)
     objective.attach_intermediate(student, cfg.loss, teacher.kdexp_spec.hidden_size)  # before its optimizer
     student.train()
-    if megatron_optim.uses_megatron(t.optimizer):  # DDP + megatron's (distributed) optimizer, on CUDA
-        opt = megatron_optim.MegatronOptimizer(student, t)
-    else:
-        # fp32 masters whenever the weights are not fp32 (precision=bf16, or model.params_dtype=bfloat16), as
-        # megatron's optimizer does on the CUDA path
-        opt = optim.make_optimizer(student, lr=t.lr, weight_decay=t.weight_decay,
-                                   master_weights=student_dtype(cfg) != torch.float32)
+    opt = build_optimizer(cfg, student)
     return Setup(data=data, teacher=teacher, student=student, optimizer=opt, balancer=balancer, objective=kd,
                  accumulation=accumulation, global_batch=global_batch)
 
@@ -125,7 +135,8 @@ def _final(last_train: dict, last_eval: dict) -> dict:
 
 def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path] = None,
             wandb_logger=None, make_teacher: Callable = get_teacher) -> tuple[dict, torch.nn.Module]:
-    """Train the student; returns (final metrics, the student). Raises kdexp.train.Diverged on a non-finite step.
+    """Train the student; returns (final metrics, the student), exported to run_dir/student_hf with
+    trainer.export_hf. Raises kdexp.train.Diverged on a non-finite step.
 
     Checkpoints of another config are not resumed. `make_teacher`: as in `setup`."""
     st = distributed.state()
@@ -243,4 +254,14 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
     finally:
         preemption.__exit__()
         progress.close()
+    if t.export_hf:  # every rank: save_hf gathers the TP shards, rank 0 writes
+        export_hf(student, Path(run_dir) / "student_hf", s.data.tokenizer)
     return _final(last_train, last_eval), student
+
+
+def export_hf(student: torch.nn.Module, path: Path, tokenizer) -> None:
+    """The distilled student as a Hugging Face checkpoint that generates on its own: config.json and the weights, the
+    run's tokenizer files (chat template included when it has one) and generation_config.json with its bos / eos /
+    pad ids (kdexp.data.tokenizer.Tokenizer.hf_files)."""
+    spec = student.kdexp_spec
+    models.save_hf(student, path, spec, files=tokenizer.hf_files(max_length=spec.max_position_embeddings))

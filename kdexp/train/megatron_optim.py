@@ -30,35 +30,37 @@ from typing import Any
 import torch
 
 from kdexp import distributed
+from kdexp.config import precision
+from kdexp.models import DTYPES
 from kdexp.train.optim import BETAS, EPS
 
 
 def uses_megatron(optimizer: str) -> bool:
     """trainer.optimizer -> whether this process takes the megatron path (auto: exactly when CUDA is there)."""
-    if optimizer == "megatron":
-        if not torch.cuda.is_available():
-            raise ValueError("trainer.optimizer='megatron' is invalid here: megatron-core's optimizers need CUDA "
-                             "(use trainer.optimizer=auto or torch on a CPU machine)")
-        return True
-    return optimizer == "auto" and torch.cuda.is_available()
+    if optimizer == "megatron" and not torch.cuda.is_available():
+        raise ValueError("trainer.optimizer='megatron' is invalid here: megatron-core's optimizers need CUDA "
+                         "(use trainer.optimizer=auto or torch on a CPU machine)")
+    return precision.uses_megatron(optimizer, torch.cuda.is_available())
 
 
-def optimizer_config(t, params_dtype: torch.dtype):
+def optimizer_config(t, formats: precision.Formats):
     """trainer.* -> megatron's OptimizerConfig: the same AdamW (betas, eps, decoupled weight decay) and clipping as
-    kdexp.train.optim, bf16 with fp32 main params, grads and Adam state."""
+    kdexp.train.optim; bf16 weights get fp32 main params and Adam state (kdexp.config.precision's rule)."""
     from megatron.core.optimizer import OptimizerConfig
 
+    if formats.master not in (None, "float32") or formats.moments != "float32":
+        raise ValueError(f"megatron's optimizer keeps fp32 main params and Adam state, not {formats.label}")
     return OptimizerConfig(optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
                            adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS, clip_grad=t.grad_clip,
-                           bf16=params_dtype == torch.bfloat16, params_dtype=params_dtype,
-                           use_distributed_optimizer=t.distributed_optimizer, decoupled_weight_decay=True)
+                           bf16=formats.weights == "bfloat16", params_dtype=DTYPES[formats.weights],
+                           use_distributed_optimizer=formats.sharded, decoupled_weight_decay=True)
 
 
-def ddp_config(t):
+def ddp_config(formats: precision.Formats):
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    return DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
-                                         use_distributed_optimizer=t.distributed_optimizer,
+    return DistributedDataParallelConfig(grad_reduce_in_fp32=formats.grads == "float32", overlap_grad_reduce=True,
+                                         use_distributed_optimizer=formats.sharded,
                                          check_for_nan_in_grad=False)  # kdexp's NonFiniteGuard decides
 
 
@@ -72,15 +74,14 @@ def apply_weight_decay(param_groups: list[dict], weight_decay: float) -> None:
 class MegatronOptimizer:
     """The student wrapped in megatron's DDP and its optimizer, behind the few calls the loop makes."""
 
-    def __init__(self, student: torch.nn.Module, t):
+    def __init__(self, student: torch.nn.Module, t, formats: precision.Formats):
         from megatron.core.distributed import DistributedDataParallel
         from megatron.core.optimizer import get_megatron_optimizer
 
-        dtype = next(student.parameters()).dtype
-        self.ddp = DistributedDataParallel(config=student.config, ddp_config=ddp_config(t), module=student)
-        self.inner = get_megatron_optimizer(optimizer_config(t, dtype), [self.ddp])
+        self.ddp = DistributedDataParallel(config=student.config, ddp_config=ddp_config(formats), module=student)
+        self.inner = get_megatron_optimizer(optimizer_config(t, formats), [self.ddp])
         apply_weight_decay(self.inner.param_groups, t.weight_decay)
-        self.distributed = t.distributed_optimizer
+        self.distributed = formats.sharded
         self.clip = t.grad_clip
 
     @property

@@ -32,6 +32,24 @@ from kdexp.track.loggers import log_reused, open_loggers
 log = logging.getLogger("kdexp")
 
 
+def model_labels(cfg) -> dict:
+    """Per role, what the run trains and distills from: the checkpoint's label and shape read from its config.json
+    (kdexp.models.label: its size name when it has a Qwen3 size's shape), else the size name (a tiny preset's
+    vocabulary is the tokenizer's)."""
+    from kdexp import assets, models
+
+    out = {}
+    for role in ("teacher", "student"):
+        path = assets.teacher_checkpoint(cfg.model) if role == "teacher" else cfg.model.student_path
+        if path is None:
+            out[role] = {"label": models.size_key(getattr(cfg.model, role))}
+            continue
+        spec = models.spec_from_hf(models.read_config(path))
+        out[role] = {"label": models.label(spec, path), "path": str(path), "params": spec.num_params(),
+                     "shape": models.shape_of(spec)}
+    return out
+
+
 def quiet_megatron() -> None:
     """megatron-core logs every dataset index step at INFO and warns about optional fused kernels it can do without.
     The filters name megatron's modules, so that a warning of kdexp's (or another library's) with the same words
@@ -39,6 +57,14 @@ def quiet_megatron() -> None:
     logging.getLogger("megatron").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*", module=r"megatron\.")
     warnings.filterwarnings("ignore", message=".*(Apex|apex|TransformerEngine|transformer_engine).*", module=r"megatron\.")
+    # megatron's sequence-parallel collectives call torch's old names (all_gather_into_tensor, reduce_scatter_tensor):
+    # torch's deprecation notice is about megatron's code, not the user's
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` "
+                            "is deprecated", category=FutureWarning)
+    import torch
+
+    if not torch.cuda.is_available():  # CUDA-only advice on a CPU run (CUDA_DEVICE_MAX_CONNECTIONS for SP overlap)
+        warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*", module=r"megatron\.")
 
 
 def _identity(cfg):
@@ -127,13 +153,13 @@ def _run_point(cfg, run_dir: Path, multirun: bool, overrides: list, hc,
 
     wandb_logger = open_loggers(cfg, run_dir, hc, enabled=distributed.is_rank0(), overrides=overrides)
     record = {"config_hash": key, "overrides": overrides, "steps": cfg.trainer.max_steps, "reused_from": None,
-              "run_dir": str(run_dir), "wandb_id": rundir.wandb_id(run_dir)}
+              "run_dir": str(run_dir), "wandb_id": rundir.wandb_id(run_dir), "models": model_labels(cfg)}
+    if distributed.is_rank0():
+        log.info("teacher %s -> student %s", *(f"{m['label']} ({m['shape']})" if "shape" in m else m["label"]
+                                                for m in record["models"].values()))
     try:
-        final, student = distill(cfg, run_dir, config_hash=key, resume_from=previous, wandb_logger=wandb_logger)
-        if cfg.trainer.export_hf:  # every rank: save_hf gathers the TP shards, rank 0 writes
-            from kdexp.models import save_hf
-
-            save_hf(student, run_dir / "student_hf")  # the spec rides on the model (model.kdexp_spec)
+        # with trainer.export_hf, distill writes run_dir/student_hf (weights, tokenizer, generation config)
+        final, _ = distill(cfg, run_dir, config_hash=key, resume_from=previous, wandb_logger=wandb_logger)
     except Diverged as exc:
         if distributed.is_rank0():
             wandb_logger.summary({**exc.metrics, "diverged_step": exc.step})
