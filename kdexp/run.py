@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 import kdexp.conf  # noqa: F401  (registers the typed schema and the resolvers the YAML uses)
 import kdexp.config
 from kdexp.rules import ConfigError
-from kdexp.track import faults, records, rundir
+from kdexp.track import claim, faults, rundir
 
 # ----------------------------------------------------------------------------------------------------------------------
 # argv as users type it
@@ -127,22 +127,20 @@ def _is_diverged(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(c.__name__ == "Diverged" for c in type(err).__mro__)
 
 
-def _single_run_failed(code: Optional[int], line: Optional[str], run_dir, error_text: Optional[str]) -> None:
-    """Exit status ``code`` for cli(); on global rank 0 (every rank fails the same way) the one line on stderr and
-    the error into the run dir's error.log and run.log."""
+def _single_run_failed(code: int, line: str) -> None:
+    """Exit status ``code`` for cli(), and the one line on stderr on global rank 0 (every rank fails the same way).
+    Nothing is written here: a refused run leaves nothing on disk; a run that failed after it started wrote its own
+    error.log (kdexp.train)."""
     global _EXIT
-    if code is not None:
-        _EXIT = code
+    _EXIT = code
     from kdexp.track.sweep import global_rank
 
     if global_rank() == 0:
-        if line is not None:
-            print(line, file=sys.stderr, flush=True)
-        if error_text is not None:
-            records.write_error(run_dir, "run failed", error_text)
+        print(line, file=sys.stderr, flush=True)
 
 
 @hydra.main(version_base="1.3", config_path="pkg://kdexp.conf", config_name="config")
+@claim.claims_its_run_dir
 def main(cfg: DictConfig):
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -151,18 +149,20 @@ def main(cfg: DictConfig):
     multirun = hc.mode == RunMode.MULTIRUN
     run_dir = hc.runtime.output_dir
     try:
+        # every check that writes nothing, before the claim: a refused run leaves nothing on disk (kdexp.track.claim)
         kdexp.config.validate(cfg)  # before W&B, data, teacher or any process group
         kdexp.config.check_launch(cfg)  # enough processes for parallel.tensor (torchrun / SLURM tasks)
-        # a run dir holding another config's run is refused (trainer.overwrite=true starts over)
-        rundir.claim(run_dir, kdexp.config.config_hash(cfg), overwrite=cfg.trainer.overwrite)
         from kdexp.plan import refuse_if_too_big
 
         refuse_if_too_big(cfg)  # trainer.gpu_memory_gb set: the plan must fit (kdexp.plan, no model built)
+        # this run's dir from here on: another config's run there, or another live process on it, is refused
+        # (trainer.overwrite=true starts over); then .hydra/, run.log and the point record are written
+        claim.claim(run_dir, kdexp.config.config_hash(cfg), overwrite=cfg.trainer.overwrite, job=cfg)
     except ValueError as err:
         if multirun:
-            raise  # SweepCallback records the point as failed; the other points go on
-        taken = isinstance(err, rundir.RunDirTaken)  # nothing is written into another run's dir
-        _single_run_failed(2, f"kdexp: error: {err}", run_dir, None if taken else f"config error: {err}\n")
+            raise  # SweepCallback names the refused point (nothing is written into its dir); the others go on
+        claim.refused(run_dir)
+        _single_run_failed(2, f"kdexp: error: {err}")
         return None
     from kdexp.train import run_point
 
@@ -172,14 +172,15 @@ def main(cfg: DictConfig):
         if multirun:
             raise
         if isinstance(err, ConfigError):  # the data or the teacher cache shows a value wrong: before the student
-            _single_run_failed(2, f"kdexp: error: {err}", run_dir, f"config error: {err}\n")
+            claim.withdraw(run_dir)  # a refused run: a dir it made goes, another run's dir gets no error.log
+            _single_run_failed(2, f"kdexp: error: {err}")
             return None
         if _is_diverged(err):  # kdexp.train wrote summary.json (status diverged), run.log and error.log
-            _single_run_failed(1, f"kdexp: {err}", run_dir, None)
+            _single_run_failed(1, f"kdexp: {err}")
             return None
         fault = faults.disk_fault(err)
         if fault is not None:  # a full disk, a read-only dir: the path and the cause, no traceback
-            _single_run_failed(1, f"kdexp: error: {faults.describe(fault)}", run_dir, None)
+            _single_run_failed(1, f"kdexp: error: {faults.describe(fault)}")
             return None
         raise  # kdexp.train wrote run.log and error.log; Hydra prints the traceback; exit status 1
 

@@ -26,6 +26,8 @@ from typing import Any, Iterator, Optional
 
 from hydra.experimental.callback import Callback
 
+from kdexp.track.claim import note_new_dirs
+
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
 PROBE_BYTES = 64 * 1024  # what .hydra/, run.log and the first records need before the first checkpoint
 
@@ -102,6 +104,7 @@ class WritableDirs(Callback):
     callback's ordinary exception into a warning and goes on."""
 
     def on_run_start(self, config, **kwargs: Any) -> None:
+        note_new_dirs(Path(str(config.hydra.run.dir)))  # a refused run removes the dirs made for it
         line = probe(Path(str(config.hydra.run.dir)))
         if line is not None:
             stop(line)
