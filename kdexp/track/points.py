@@ -126,9 +126,8 @@ def record_refused(sweep_dir: str | Path, num: Optional[int], overrides: list, e
     sweep_dir = Path(sweep_dir).resolve()
     with records.locked(sweep_dir / ".sweep.lock"):
         sweep = records.read_json(sweep_dir / records.SWEEP) or {"sweep_dir": str(sweep_dir), "points": []}
-        planned = next((p for p in sweep.get("points", []) if num is not None and p.get("num") == num), {})
         entry = {"num": num, "overrides": list(overrides), "error": error, "at": records.now(),
-                 "name": planned.get("name") or run_name(list(overrides))}
+                 "name": run_name(list(overrides), sweep.get("keys"))}
         sweep["refused"] = [r for r in sweep.get("refused", []) if r.get("num") != num or num is None] + [entry]
         records.write_json(sweep_dir / records.SWEEP, sweep)
     return rebuild_sweep(sweep_dir)
@@ -158,7 +157,8 @@ def rebuild_sweep(sweep_dir: str | Path) -> dict:
         points = sorted(by_key.values(), key=lambda p: (p.get("num") is None, p.get("num") or 0, p.get("run_dir")))
         counts = {s: sum(p.get("status") == s for p in points) for s in records.STATUSES}
         sweep = {"sweep_dir": str(sweep_dir), "total": old.get("total", len(points)) or len(points),
-                 "counts": counts, "updated": records.now(), "points": points, "refused": refused}
+                 "counts": counts, "updated": records.now(), "points": points, "refused": refused,
+                 "keys": old.get("keys")}
         records.write_json(sweep_dir / records.SWEEP, sweep)
     return sweep
 

@@ -1,0 +1,182 @@
+"""Run records that cannot lie under faults (issue 37, and 35's refused runs), each from real kdexp.run processes, each
+asserting the records afterwards: every step logged once, every label what the point trained, every status final.
+
+- a refused run (a bad value, a run dir of another config) leaves nothing on disk and changes no byte of that dir;
+- a finished sweep rerun into its own sweep dir with its values swapped is refused point by point, byte for byte;
+- two runs into one run dir: the second is refused with the holder's pid and host, the first trains every step once;
+- a sweep driver killed with -9 and rerun at once: its orphaned worker keeps the point, the rerun is refused there.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kdexp.report.rundirs import load_point, load_sweep
+
+pytestmark = pytest.mark.slow
+
+# seconds a run: the shipped teacher (no pretraining), no W&B
+SMOKE = ["experiment=smoke", "model.embedded_teacher=shipped", "logger=none"]
+
+
+def kdexp_run(args, env, cwd, *, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kdexp.run", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def start(args, env, cwd) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kdexp.run", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    """Every file below root, by relative path, with its bytes."""
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def steps(run_dir: Path, kind: str) -> list[int]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [x["step"] for x in lines if x["kind"] == kind]
+
+
+def summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def wait_for(what, timeout: float = 300, poll: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = what()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"not seen within {timeout} s: {what}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_refused_run_leaves_nothing_on_disk_and_changes_no_byte_of_a_dir_it_was_refused(env, tmp_path):
+    new = tmp_path / "outputs" / "day" / "run"
+    bad = kdexp_run([*SMOKE, "balancer.alpha=1.5", f"hydra.run.dir={new}"], env, tmp_path)
+    assert bad.returncode == 2 and bad.stderr.splitlines() == [
+        "kdexp: error: balancer.alpha=1.5 is invalid: must be a number in [0, 1]"]
+    assert not (tmp_path / "outputs").exists()  # no run dir, no error.log, not even the dirs made for it
+
+    run_dir = tmp_path / "run"
+    base = [*SMOKE, "trainer.max_steps=2", f"hydra.run.dir={run_dir}"]
+    assert kdexp_run([*base, "balancer.alpha=0.5"], env, tmp_path).returncode == 0
+    before = tree(run_dir)
+    refused = kdexp_run([*base, "balancer.alpha=0.9"], env, tmp_path)
+    assert refused.returncode == 2
+    [line] = refused.stderr.splitlines()
+    assert line.startswith(f"kdexp: error: {run_dir} holds the run of another config")
+    assert tree(run_dir) == before  # .hydra/ and run.log included: the labels still say what was trained
+    point = load_point(run_dir)
+    assert point.status == "finished" and point.overrides["balancer.alpha"] == "0.5" and point.steps == 2
+    assert [p.name for p in load_sweep(tmp_path).points] == ["run"]  # the refused runs are no points
+
+
+def test_a_finished_sweep_rerun_with_its_values_swapped_is_refused_byte_for_byte(env, tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", *SMOKE, f"hydra.sweep.dir={sweep}"]
+    first = kdexp_run([*args, "trainer.max_steps=2,3"], env, tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = {n: tree(sweep / n) for n in ("0", "1")}
+    second = kdexp_run([*args, "trainer.max_steps=3,2"], env, tmp_path)
+    assert second.returncode == 1
+    assert "Traceback" not in second.stdout + second.stderr
+    assert {n: tree(sweep / n) for n in ("0", "1")} == before  # no byte of either point changed
+    ended = [x for x in second.stdout.splitlines() if x.startswith("[sweep] ")]
+    assert any("2 finished, 0 reused, 0 failed, 0 diverged, 0 not finished, 2 refused, of 2" in x for x in ended)
+    for num, steps_ in ((0, 3), (1, 2)):
+        [told] = [x for x in ended if x.startswith(f"[sweep] refused #{num}: trainer.max_steps={steps_}: ")]
+        assert "holds the run of another config" in told
+    # every label is what its point trained: point 0 is still the 2-step run, point 1 the 3-step one
+    points = sorted(load_sweep(sweep).points, key=lambda p: p.num)
+    assert [(p.num, p.overrides["trainer.max_steps"], p.steps, p.status) for p in points] == [
+        (0, "2", 2, "finished"), (1, "3", 3, "finished")]
+    assert [steps(sweep / n, "train") for n in ("0", "1")] == [[1, 2], [1, 2, 3]]
+    recorded = json.loads((sweep / "sweep.json").read_text())
+    assert [(p["num"], p["status"], p["overrides"][-1]) for p in recorded["points"]] == [
+        (0, "finished", "trainer.max_steps=2"), (1, "finished", "trainer.max_steps=3")]
+    assert sorted(r["num"] for r in recorded["refused"]) == [0, 1]
+
+
+def test_two_runs_into_one_run_dir_the_second_is_refused_naming_the_first(env, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*SMOKE, "trainer.max_steps=8", "trainer.checkpoint_interval=4", "trainer.eval_interval=4",
+            f"hydra.run.dir={run_dir}"]
+    first = start(args, env, tmp_path)
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").is_file())  # the first run trains
+        first.send_signal(signal.SIGSTOP)  # and holds the dir, however fast it trains
+        try:
+            second = kdexp_run(args, env, tmp_path)
+        finally:
+            first.send_signal(signal.SIGCONT)
+        out, _ = first.communicate(timeout=600)
+    finally:
+        first.kill()
+    assert first.returncode == 0, out[-3000:]
+    assert second.returncode == 2
+    [line] = second.stderr.splitlines()
+    assert line.startswith(f"kdexp: error: {run_dir} is in use by the run of pid {first.pid} on host "
+                           f"{socket.gethostname()} since ")
+    assert line.endswith(": not run twice into one run dir; wait for that run to end (or stop it), then rerun")
+    assert steps(run_dir, "train") == list(range(1, 9)) and steps(run_dir, "val") == [4, 8]  # each step once
+    assert summary(run_dir)["status"] == "finished" and summary(run_dir)["steps"] == 8
+    before = tree(run_dir)
+    after = kdexp_run(args, env, tmp_path)  # the first run ended: its lock went with it, and it is finished
+    assert after.returncode == 0 and "already finished" in after.stdout + after.stderr
+    assert {k: v for k, v in tree(run_dir).items() if k not in ("run.log", ".kdexp.lock")} == \
+        {k: v for k, v in before.items() if k not in ("run.log", ".kdexp.lock")}
+
+
+def test_a_killed_sweep_driver_rerun_at_once_never_trains_a_point_twice(env, tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", *SMOKE, "hydra/launcher=local_cpu", "trainer.max_steps=10", "trainer.eval_interval=5",
+            "trainer.checkpoint_interval=5", "balancer.alpha=0.5", f"hydra.sweep.dir={sweep}"]
+    point = sweep / "0"
+    with open(tmp_path / "driver.log", "w") as log:  # submitit's job controller outlives the driver: not a pipe
+        driver = subprocess.Popen([sys.executable, "-m", "kdexp.run", *args], cwd=tmp_path, env=env, stdout=log,
+                                  stderr=subprocess.STDOUT)
+    worker = None
+    try:
+        wait_for(lambda: (point / "metrics.jsonl").is_file())
+        worker = json.loads((point / "point.json").read_text())["pid"]
+        os.kill(worker, signal.SIGSTOP)  # the orphan holds the point, however fast it trains
+    finally:
+        driver.kill()
+        driver.wait()
+    try:
+        assert alive(worker)
+        rerun = kdexp_run(args, env, tmp_path)
+    finally:
+        os.kill(worker, signal.SIGCONT)  # the orphan trains on
+    assert rerun.returncode == 1
+    assert f"is in use by the run of pid {worker} on host {socket.gethostname()}" in rerun.stdout + rerun.stderr
+    assert "Traceback" not in rerun.stdout + rerun.stderr
+    wait_for(lambda: not alive(worker), timeout=600, poll=0.5)
+    assert steps(point, "train") == list(range(1, 11)) and steps(point, "val") == [5, 10]  # each step once
+    assert summary(point)["status"] == "finished"
+    assert json.loads((point / "point.json").read_text())["status"] == "finished"
+    again = kdexp_run(args, env, tmp_path)  # now the point is finished: counted, not retrained
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert steps(point, "train") == list(range(1, 11))
+    recorded = json.loads((sweep / "sweep.json").read_text())
+    assert [p["status"] for p in recorded["points"]] == ["finished"] and not recorded["refused"]
