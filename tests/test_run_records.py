@@ -180,3 +180,47 @@ def test_a_killed_sweep_driver_rerun_at_once_never_trains_a_point_twice(env, tmp
     assert steps(point, "train") == list(range(1, 11))
     recorded = json.loads((sweep / "sweep.json").read_text())
     assert [p["status"] for p in recorded["points"]] == ["finished"] and not recorded["refused"]
+
+
+FAULT_RUN = str(Path(__file__).with_name("_fault_run.py"))  # kdexp.run that SIGKILLs itself after a given step
+
+
+def cut(path: Path, keep) -> None:
+    """metrics.jsonl keeping the lines whose step `keep` accepts, and a half line at the end (a cut write)."""
+    lines = [x for x in path.read_text().splitlines() if keep(json.loads(x)["step"])]
+    path.write_text("".join(x + "\n" for x in lines) + '{"step": 9, "kind": "tr')
+
+
+def test_a_resume_over_a_cut_metrics_file_says_so_and_logs_every_step_once(env, tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*SMOKE, "trainer.max_steps=6", "trainer.checkpoint_interval=2", f"hydra.run.dir={run_dir}"]
+    killed = subprocess.run([sys.executable, FAULT_RUN, "5", *args], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert killed.returncode == -9 and (run_dir / "checkpoints" / "latest").read_text().strip() == "4"
+    cut(run_dir / "metrics.jsonl", lambda step: step <= 1)  # the record lost steps 2-5; the weights are at step 4
+    rerun = kdexp_run(args, env, tmp_path)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    [told] = [x for x in (rerun.stdout + rerun.stderr).splitlines() if "not resuming from checkpoint step 4" in x]
+    assert told.endswith(f"of {run_dir}: its metrics.jsonl lacks the train lines of steps 2-4 and the val lines of "
+                         "steps 3; training from step 0, so that every step is logged once")
+    assert steps(run_dir, "train") == [1, 2, 3, 4, 5, 6] and steps(run_dir, "val") == [3, 6]
+    assert summary(run_dir)["status"] == "finished" and summary(run_dir)["steps"] == 6
+
+
+def test_a_finished_point_with_a_hole_in_its_record_is_neither_reused_nor_resumed(env, tmp_path):
+    args = ["-m", *SMOKE, "trainer.max_steps=4", "balancer.alpha=0.3"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert kdexp_run([*args, f"hydra.sweep.dir={first}"], env, tmp_path).returncode == 0
+    cut(first / "0" / "metrics.jsonl", lambda step: step != 2)  # a hole, its last line still there
+    rerun = kdexp_run([*args, f"hydra.sweep.dir={second}"], env, tmp_path)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    said = rerun.stdout + rerun.stderr
+    assert f"not reusing {(first / '0').resolve()}: its metrics.jsonl lacks the train lines of steps 2" in said
+    assert f"not resuming from checkpoint step 4 of {(first / '0').resolve()}: its metrics.jsonl lacks the train " \
+           "lines of steps 2" in said
+    point = second / "0"
+    assert steps(point, "train") == [1, 2, 3, 4] and steps(point, "val") == [3, 4]  # trained here, every step once
+    assert summary(point)["status"] == "finished" and summary(point)["reused_from"] is None
+    assert json.loads((point / "point.json").read_text())["status"] == "finished"
+    index = Path(env["KDEXP_CACHE"]) / "points" / f"{summary(point)['config_hash']}.json"
+    assert json.loads(index.read_text())["run_dir"] == str(point.resolve())  # the index points at the whole record

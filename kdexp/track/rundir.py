@@ -145,10 +145,11 @@ def wandb_id(run_dir: Path) -> Optional[str]:
         return None
 
 
-def verified_summary(previous: Path, key: str) -> tuple[Optional[dict], Optional[str]]:
+def verified_summary(previous: Path, key: str, intervals: Optional[dict] = None) -> tuple[Optional[dict], Optional[str]]:
     """(the summary of ``previous``, None) when it is the ended run of config ``key`` with the files it claims, else
     (None, why not). The points index only says where a config ran once; the dir may since hold another run, be
-    torn or be a copy: what is reused is checked, not trusted."""
+    torn or be a copy: what is reused is checked, not trusted. ``intervals`` (log_interval, eval_interval,
+    max_steps of the config): a finished run's metrics.jsonl must hold every line it logged, not only its last."""
     previous = Path(previous)
     summary = read_json(previous / records.SUMMARY)
     if not isinstance(summary, dict):
@@ -166,6 +167,9 @@ def verified_summary(previous: Path, key: str) -> tuple[Optional[dict], Optional
         if not steps or max(steps) != summary.get("steps"):
             return None, (f"its {records.METRICS} ends at step {max(steps) if steps else None}, its summary says "
                           f"{summary.get('steps')} steps")
+        gap = records.gap_line(records.missing_steps(lines, summary["steps"], **intervals)) if intervals else None
+        if gap is not None:
+            return None, f"its {records.METRICS} lacks {gap}"
     return summary, None
 
 

@@ -89,7 +89,9 @@ def _run_point(cfg, run_dir: Path, multirun: bool, overrides: list, hc) -> dict:
     index = rundir.PointIndex(cfg.paths.index)
     previous = index.lookup(key) if (multirun and cfg.trainer.reuse_finished) else None
     if previous is not None and previous.resolve() != run_dir.resolve():
-        earlier, problem = rundir.verified_summary(previous, key)
+        earlier, problem = rundir.verified_summary(previous, key, intervals={
+            "log_interval": cfg.trainer.log_interval, "eval_interval": cfg.trainer.eval_interval,
+            "max_steps": cfg.trainer.max_steps})
         if problem is not None and rank0:
             log.warning("not reusing %s: %s; training this point", previous, problem)
         if earlier is not None and earlier.get("status") in (*records.ENDED_WELL, "diverged"):
