@@ -224,3 +224,50 @@ def test_a_finished_point_with_a_hole_in_its_record_is_neither_reused_nor_resume
     assert json.loads((point / "point.json").read_text())["status"] == "finished"
     index = Path(env["KDEXP_CACHE"]) / "points" / f"{summary(point)['config_hash']}.json"
     assert json.loads(index.read_text())["run_dir"] == str(point.resolve())  # the index points at the whole record
+
+
+def test_a_point_resumed_from_another_run_says_so_and_costs_only_what_it_trained(env, tmp_path):
+    args = ["-m", *SMOKE, "trainer.max_steps=6", "trainer.checkpoint_interval=2", "balancer.alpha=0.7"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    killed = subprocess.run([sys.executable, FAULT_RUN, "5", *args, f"hydra.sweep.dir={first}"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9
+    rerun = kdexp_run([*args, f"hydra.sweep.dir={second}"], env, tmp_path)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    done = summary(second / "0")
+    assert done["status"] == "finished" and done["reused_from"] is None
+    assert done["resumed_from"] == {"run_dir": str((first / "0").resolve()), "step": 4} and done["trained_steps"] == 2
+    t = json.loads(json.dumps(load_point(second / "0").config["trainer"]))
+    per_step = (t["global_batch_size"] or t["micro_batch_size"]) * t["seq_length"]  # one process: no DP
+    assert done["cost"]["tokens"] == 2 * per_step  # the 2 steps trained here, not the 4 resumed
+    assert steps(second / "0", "train") == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_point_whose_config_trains_in_another_live_sweep_waits_and_is_reused(env, tmp_path):
+    args = ["-m", *SMOKE, "trainer.max_steps=4", "balancer.alpha=0.6"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    a = start([*args, f"hydra.sweep.dir={first}"], env, tmp_path)
+    try:
+        wait_for(lambda: (first / "0" / "metrics.jsonl").is_file())
+        a.send_signal(signal.SIGSTOP)  # the first sweep holds its point, mid-training
+        b = start([*args, f"hydra.sweep.dir={second}"], env, tmp_path)
+        try:
+            seen = []
+            for line in b.stdout:
+                seen.append(line)
+                if "waiting for the run of pid" in line:
+                    break
+            assert f"waiting for the run of pid {a.pid} on host {socket.gethostname()}" in seen[-1], "".join(seen)
+        finally:
+            a.send_signal(signal.SIGCONT)
+        assert a.wait(timeout=600) == 0
+        out = "".join(seen) + b.communicate(timeout=600)[0]
+        assert b.returncode == 0, out[-3000:]
+    finally:
+        a.kill()
+    mine, theirs = summary(second / "0"), summary(first / "0")
+    assert mine["reused_from"] == str((first / "0").resolve()) and mine["final"] == theirs["final"]
+    assert mine["cost"] == theirs["cost"]  # the cost of the training it reuses, none of its own
+    assert json.loads((second / "0" / "point.json").read_text())["status"] == "reused"
+    assert not (second / "0" / "checkpoints").exists()  # nothing trained here
+    assert steps(second / "0", "train") == [1, 2, 3, 4]

@@ -137,10 +137,12 @@ def _history_checked(state: dict, source: Optional[Path], run_dir: Path, t) -> t
 
 
 def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path] = None,
-            wandb_logger=None, make_teacher: Callable = get_teacher) -> tuple[dict, torch.nn.Module]:
+            wandb_logger=None, make_teacher: Callable = get_teacher,
+            on_resume: Optional[Callable[[Path, int], None]] = None) -> tuple[dict, torch.nn.Module]:
     """Train the student; returns (final metrics, the student). Raises kdexp.train.Diverged on a non-finite step.
 
-    Checkpoints of another config are not resumed. `make_teacher`: as in `setup`."""
+    Checkpoints of another config are not resumed. `make_teacher`: as in `setup`. `on_resume(dir, step)`: told where
+    the run resumed from (this run dir or `resume_from`) before it trains."""
     st = distributed.state()
     t = cfg.trainer
     rank0 = st.rank == 0
@@ -171,6 +173,8 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
         saved = start if source is None else None
         if rank0:
             log.info("resuming from step %d (%s)", start, ckpt_dir if source is None else source)
+        if on_resume is not None:
+            on_resume(Path(run_dir) if source is None else source, start)
     metrics = MetricsFile(Path(run_dir) / "metrics.jsonl", enabled=rank0, resume_step=start,
                           history=None if source is None else source / "metrics.jsonl")
 
