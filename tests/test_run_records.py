@@ -271,3 +271,40 @@ def test_a_point_whose_config_trains_in_another_live_sweep_waits_and_is_reused(e
     assert json.loads((second / "0" / "point.json").read_text())["status"] == "reused"
     assert not (second / "0" / "checkpoints").exists()  # nothing trained here
     assert steps(second / "0", "train") == [1, 2, 3, 4]
+
+
+def test_a_killed_sweep_with_a_pending_point_ends_interrupted_and_its_rerun_trains_every_step_once(env, tmp_path):
+    from kdexp.report.live import watch
+
+    sweep = tmp_path / "sweep"
+    args = ["-m", *SMOKE, "hydra/launcher=local_cpu", "launch.local_parallel=1", "trainer.max_steps=20",
+            "trainer.checkpoint_interval=5", "trainer.eval_interval=10", "balancer.alpha=0.2,0.4",
+            f"hydra.sweep.dir={sweep}"]
+    with open(tmp_path / "driver.log", "w") as log:
+        driver = subprocess.Popen([sys.executable, "-m", "kdexp.run", *args], cwd=tmp_path, env=env, stdout=log,
+                                  stderr=subprocess.STDOUT)
+    workers = []
+    try:
+        def recorded():  # one point trains, the other waits for the one local slot
+            got = {n: json.loads((sweep / n / "point.json").read_text())
+                   for n in ("0", "1") if (sweep / n / "point.json").is_file()}
+            states = sorted(p["status"] for p in got.values())
+            return got if states == ["pending", "running"] and any(
+                (sweep / n / "metrics.jsonl").is_file() for n in got) else None
+
+        workers = [p["pid"] for p in wait_for(recorded).values()]
+    finally:
+        driver.kill()
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)  # the sweep is gone: its driver and both workers
+        driver.wait()
+    wait_for(lambda: not any(alive(pid) for pid in workers))
+    assert sorted(p.status for p in load_sweep(sweep).points) == ["interrupted", "interrupted"]
+    files = watch(sweep, interval=0.01, max_polls=3, echo=lambda line: None)
+    assert files is not None and not files.live  # report --watch ends on its first look
+    rerun = kdexp_run(args, env, tmp_path)
+    assert rerun.returncode == 0, rerun.stdout[-3000:]
+    for n in ("0", "1"):
+        assert steps(sweep / n, "train") == list(range(1, 21)) and steps(sweep / n, "val") == [10, 20]
+        assert summary(sweep / n)["status"] == "finished"
+    assert [p["status"] for p in json.loads((sweep / "sweep.json").read_text())["points"]] == ["finished"] * 2

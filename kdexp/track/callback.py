@@ -89,7 +89,8 @@ class SweepCallback(Callback):
             points = [{"num": i, "overrides": o, "name": run_name(o, keys), "run_dir": None, "status": "pending",
                        "metrics": {}, "error": None} for i, o in enumerate(planned)]
             records.write_json(sweep_dir / records.SWEEP,  # a new plan: the refusals of an earlier launch go
-                               {"sweep_dir": str(sweep_dir), "total": len(points), "points": points, "keys": keys})
+                               {"sweep_dir": str(sweep_dir), "total": len(points), "points": points, "keys": keys,
+                                "launcher": {"pid": os.getpid(), "host": socket.gethostname()}})
         rebuild_sweep(sweep_dir)
         n = f"{len(planned)} points" if planned is not None else "an unknown number of points"
         print(f"[sweep] {n} -> {sweep_dir}\n[sweep] report: {report_command(sweep_dir)}"

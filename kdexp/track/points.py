@@ -158,7 +158,7 @@ def rebuild_sweep(sweep_dir: str | Path) -> dict:
         counts = {s: sum(p.get("status") == s for p in points) for s in records.STATUSES}
         sweep = {"sweep_dir": str(sweep_dir), "total": old.get("total", len(points)) or len(points),
                  "counts": counts, "updated": records.now(), "points": points, "refused": refused,
-                 "keys": old.get("keys")}
+                 "keys": old.get("keys"), "launcher": old.get("launcher")}
         records.write_json(sweep_dir / records.SWEEP, sweep)
     return sweep
 

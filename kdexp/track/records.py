@@ -295,18 +295,24 @@ def _pid_gone(point: dict) -> bool:
 
 
 def liveness(point: dict, sweep_dir: Optional[str | os.PathLike] = None, now: Optional[float] = None) -> str:
-    """The status of a point record as it stands now: "interrupted" for a "running" point whose process is gone (its
-    pid on this host, or its heartbeat stale) and for a "pending" point of a sweep whose launching process is gone
-    (the sweep dir's heartbeat stale and the point never started); else the recorded status."""
+    """The status of a point record as it stands now: "interrupted" for a "running" or "pending" point whose own
+    process is gone (a worker recorded its pid: gone on this host, or its heartbeat stale; a point waiting for a
+    local slot is such a pending point), and for a "pending" point of the plan whose launching process is gone (the
+    sweep dir's heartbeat stale, or the launcher's pid gone on this host, and the point never started); else the
+    recorded status."""
     status = point.get("status")
     now = time.time() if now is None else now
-    if status == "running":
-        if _pid_gone(point):
-            return "interrupted"
-        run_dir = point.get("run_dir")
-        return "interrupted" if run_dir and _stale(run_dir, now) else status
-    if status == "pending" and sweep_dir is not None and _stale(sweep_dir, now):
+    if status not in ("running", "pending"):
+        return status
+    if _pid_gone(point):
         return "interrupted"
+    run_dir = point.get("run_dir")
+    if run_dir and (point.get("pid") is not None or status == "running"):
+        return "interrupted" if _stale(run_dir, now) else status
+    if status == "pending" and sweep_dir is not None:
+        launcher = read_json(Path(sweep_dir) / SWEEP) or {}
+        if _stale(sweep_dir, now) or _pid_gone(launcher.get("launcher") or {}):
+            return "interrupted"
     return status
 
 

@@ -253,7 +253,7 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
                 if saved != done:
                     saved = save(done)
                 line = (f"preempted by {signals.name(signum)} after step {done}/{t.max_steps}: checkpoint step "
-                        f"{done} saved in {ckpt_dir}; exit status {128 + signum}; {signals.resume_hint(run_dir)}")
+                        f"{done} saved in {ckpt_dir}; exit status {128 + signum}; {signals.resume_hint(run_dir, signum)}")
                 if rank0:
                     log.warning(line)
                 preemption.stop(signum, done, line)
