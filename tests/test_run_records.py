@@ -308,3 +308,28 @@ def test_a_killed_sweep_with_a_pending_point_ends_interrupted_and_its_rerun_trai
         assert steps(sweep / n, "train") == list(range(1, 21)) and steps(sweep / n, "val") == [10, 20]
         assert summary(sweep / n)["status"] == "finished"
     assert [p["status"] for p in json.loads((sweep / "sweep.json").read_text())["points"]] == ["finished"] * 2
+
+
+def test_a_dead_worker_ends_its_sweep_with_the_end_lines_not_a_traceback(env, tmp_path):
+    sweep = tmp_path / "sweep"
+    args = ["-m", *SMOKE, "hydra/launcher=local_cpu", "launch.local_parallel=2", "trainer.max_steps=12",
+            "trainer.eval_interval=12", "trainer.checkpoint_interval=12", "balancer.alpha=0.25,0.35",
+            f"hydra.sweep.dir={sweep}"]
+    with open(tmp_path / "driver.log", "w") as log:
+        driver = subprocess.Popen([sys.executable, "-m", "kdexp.run", *args], cwd=tmp_path, env=env, stdout=log,
+                                  stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: (sweep / "0" / "metrics.jsonl").is_file() or driver.poll() is not None)
+        assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+        os.kill(json.loads((sweep / "0" / "point.json").read_text())["pid"], signal.SIGKILL)
+        assert driver.wait(timeout=600) == 1
+    finally:
+        driver.kill()
+    out = (tmp_path / "driver.log").read_text()
+    assert "Traceback" not in out and "UncompletedJobError" not in out.replace("(UncompletedJobError", "")
+    assert "kdexp: error: point #0: its job " in out and "rerun the sweep to resume it" in out
+    ended = [x for x in out.splitlines() if x.startswith("[sweep] ")]
+    assert any("1 finished, 0 reused, 0 failed, 0 diverged, 0 not finished, 1 interrupted, of 2" in x for x in ended)
+    assert any(x.startswith("[sweep] interrupted #0: balancer.alpha=0.25: its process is gone") for x in ended)
+    assert summary(sweep / "1")["status"] == "finished" and steps(sweep / "1", "train") == list(range(1, 13))
+    assert [p.status for p in sorted(load_sweep(sweep).points, key=lambda p: p.num)] == ["interrupted", "finished"]

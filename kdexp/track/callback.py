@@ -8,7 +8,7 @@
     kdexp.track.claim) "running" is written once the claim is made, and a job that ended without it was refused:
     its one line goes into sweep.json's ``refused`` list and nothing into its run dir;
   - on_multirun_end (the submitting process): the final sweep.json, a summary line, and exit status 1 when a point
-    failed, diverged or was refused (``fail_exit``).
+    failed, diverged, was interrupted (its worker died: hydra_plugins.kdexp_launcher) or was refused (``fail_exit``).
 
 With ``report`` (the default) the sweep's live dashboard, <sweep>/report/index.html, is regenerated when the sweep
 starts, when each point starts and ends (rank 0 of the job) and, final and without its refresh tag, when the multirun ends
@@ -107,7 +107,8 @@ class SweepCallback(Callback):
         self._beat(hydra_sweep_dir(config.hydra), False)
         self._refresh_report(hydra_sweep_dir(config.hydra), live=False)
         print("\n".join(end_lines(sweep, dashboard=self.report)), flush=True)
-        if self.fail_exit and (any(sweep["counts"][s] for s in records.ENDED_BADLY) or sweep.get("refused")):
+        if self.fail_exit and (any(sweep["counts"][s] for s in (*records.ENDED_BADLY, "interrupted"))
+                               or sweep.get("refused")):
             raise SystemExit(1)  # not an Exception: Hydra's callback wrapper would turn that into a warning
 
     # job process ----------------------------------------------------------------------------------------------------

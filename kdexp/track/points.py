@@ -191,7 +191,8 @@ def wandb_sync_line(sweep_dir: str | Path) -> Optional[str]:
 
 
 def end_lines(sweep: Mapping[str, Any], dashboard: bool = False) -> list[str]:
-    """The sweep's last words: the counts, one line per failed or diverged point naming its error.log, then where
+    """The sweep's last words: the counts, one line per failed, diverged, interrupted or refused point (a failed or
+    diverged one naming its error.log), then where
     the report is (``dashboard``: the sweep built it, so its path; else the command that builds it) and the one
     command that uploads the sweep's offline W&B runs."""
     c = sweep["counts"]
@@ -204,6 +205,10 @@ def end_lines(sweep: Mapping[str, Any], dashboard: bool = False) -> list[str]:
         if p.get("status") in records.ENDED_BADLY:
             lines.append(f"[sweep] {p['status']} #{p.get('num')}: {p.get('name') or run_name(p.get('overrides') or [])}:"
                          f" {p.get('error')} (see {p.get('run_dir')}/{records.ERROR_LOG})")
+    for p in sweep["points"]:
+        if p.get("status") == "interrupted":
+            lines.append(f"[sweep] interrupted #{p.get('num')}: {p.get('name') or run_name(p.get('overrides') or [])}:"
+                         " its process is gone (killed, out of memory or preempted); rerun the sweep to resume it")
     for r in sweep.get("refused") or []:  # nothing of these points was written: their line is all there is
         lines.append(f"[sweep] refused #{r.get('num')}: {r.get('name')}: {r.get('error')}")
     html = dashboard_path(sweep["sweep_dir"])
