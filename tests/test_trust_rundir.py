@@ -160,3 +160,27 @@ def test_a_killed_sweep_is_interrupted_in_sweep_json_and_the_report_and_watch_en
     files = watch(sweep, interval=0.01, max_polls=3, echo=lambda line: None)
     assert files is not None and not files.live  # --watch ends on its first look
     assert "2 points: 2 interrupted" in files.html.read_text()
+
+
+def test_a_refused_run_removes_only_the_empty_dirs_made_for_it(tmp_path):
+    made = tmp_path / "outputs" / "day" / "run"
+    claim.note_new_dirs(made)  # before Hydra makes them
+    made.mkdir(parents=True)
+    claim.refused(made)
+    assert not (tmp_path / "outputs").exists()
+    mine = tmp_path / "mine"  # a dir that was there before the run: kept, even empty
+    mine.mkdir()
+    claim.note_new_dirs(mine)
+    claim.refused(mine)
+    assert mine.is_dir()
+    other = tmp_path / "other"  # a parent that was there before the run: kept
+    other.mkdir()
+    claim.note_new_dirs(other / "x")
+    (other / "x").mkdir()
+    claim.refused(other / "x")
+    assert not (other / "x").exists() and other.is_dir()
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "summary.json").write_text("{}")
+    claim.refused(held)  # a sweep point's dir that holds files stays
+    assert (held / "summary.json").read_text() == "{}"

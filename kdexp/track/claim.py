@@ -49,6 +49,7 @@ class RunDirBusy(RunDirTaken):
 _held: dict[Path, int] = {}  # run dir -> descriptor of its locked .kdexp.lock (this process)
 _waiting: dict[Path, list[Callable[[], None]]] = {}  # run dir -> what runs once it is claimed
 _new_dirs: list[Path] = []  # dirs this process is about to create for its run (a single run), outermost first
+_noted: list[Path] = []  # the run dir _new_dirs was noted for
 _fresh: set[Path] = set()  # claimed dirs that held nothing of a run before this process claimed them
 _claimed_unlocked: set[Path] = set()  # claimed on a rank other than 0, or where the filesystem has no flock
 
@@ -127,6 +128,7 @@ def note_new_dirs(run_dir) -> None:
         missing.append(path)
         path = path.parent
     _new_dirs[:] = list(reversed(missing))
+    _noted[:] = [_key(run_dir)]
 
 
 def claim(run_dir, key: str, *, overwrite: bool, job=None) -> None:
@@ -187,12 +189,18 @@ def refused(run_dir) -> None:
     _waiting.pop(key, None)
     for log in list(_RUN_LOGS):
         log.drop_held(key)
-    for path in [key, *reversed([p for p in _new_dirs if p != key])]:
+    # the dirs made for this run: those noted before Hydra made them (a single run), else the point's own dir (Hydra
+    # makes a sweep point's dir just before the job runs)
+    made = list(reversed(_new_dirs)) if _noted == [key] else [key]
+    for path in made:
         try:
             path.rmdir()  # only an empty dir: another run's files are never touched
+        except FileNotFoundError:
+            continue
         except OSError:
             break
     _new_dirs.clear()
+    _noted.clear()
 
 
 def withdraw(run_dir) -> None:
