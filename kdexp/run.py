@@ -36,7 +36,7 @@ from omegaconf import DictConfig
 import kdexp.conf  # noqa: F401  (registers the typed schema and the resolvers the YAML uses)
 import kdexp.config
 from kdexp.rules import ConfigError
-from kdexp.track import faults, records, rundir
+from kdexp.track import claim, faults, records, rundir
 
 # ----------------------------------------------------------------------------------------------------------------------
 # argv as users type it
@@ -127,21 +127,17 @@ _EXIT = 0  # set by main() when a single run ends with a user error (2) or a div
 _COMPOSE_ERRORS = (OverrideParseException, ConfigCompositionException, SearchPathException)
 
 
-def _single_run_failed(code: Optional[int], line: Optional[str], run_dir, error_text: Optional[str]) -> None:
-    """Exit status ``code`` for cli(); on global rank 0 (every rank fails the same way) the one line on stderr and
-    the error into the run dir's error.log and run.log."""
+def _single_run_failed(code: int, line: str) -> None:
+    """Exit status ``code`` for cli(), and the one line on stderr on global rank 0 (every rank fails the same way;
+    under torchrun also into its error file). Nothing is written into the run dir here: a refused run leaves nothing
+    on disk; a run that failed after it started wrote its own error.log (kdexp.train)."""
     global _EXIT
-    if code is not None:
-        _EXIT = code
-    if line is not None:
-        _tell_torchrun(line)
+    _EXIT = code
+    _tell_torchrun(line)
     from kdexp.track.sweep import global_rank
 
     if global_rank() == 0:
-        if line is not None:
-            print(line, file=sys.stderr, flush=True)
-        if error_text is not None:
-            records.write_error(run_dir, "run failed", error_text)
+        print(line, file=sys.stderr, flush=True)
 
 
 def _tell_torchrun(line: str) -> None:
@@ -165,6 +161,7 @@ def _tell_torchrun(line: str) -> None:
 
 
 @hydra.main(version_base="1.3", config_path="pkg://kdexp.conf", config_name="config")
+@claim.claims_its_run_dir
 def main(cfg: DictConfig):
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -173,20 +170,20 @@ def main(cfg: DictConfig):
     multirun = hc.mode == RunMode.MULTIRUN
     run_dir = hc.runtime.output_dir
     try:
+        # every check that writes nothing, before the claim: a refused run leaves nothing on disk (kdexp.track.claim)
         kdexp.config.validate(cfg)  # before W&B, data, teacher or any process group
         kdexp.config.check_launch(cfg)  # enough processes for parallel.tensor (torchrun / SLURM tasks)
-        # a run dir holding another config's run is refused (trainer.overwrite=true starts over)
-        rundir.claim(run_dir, kdexp.config.config_hash(cfg), overwrite=cfg.trainer.overwrite)
         from kdexp.plan import flops_per_token, refuse_if_too_big
 
         refuse_if_too_big(cfg)  # trainer.gpu_memory_gb set: the plan must fit (kdexp.plan, no model built)
+        # this run's dir from here on: another config's run there, or another live process on it, is refused
+        # (trainer.overwrite=true starts over); then .hydra/, run.log and the point record are written
+        claim.claim(run_dir, kdexp.config.config_hash(cfg), overwrite=cfg.trainer.overwrite, job=cfg)
     except ValueError as err:
-        if multirun:  # the submitting process checked it already, unless a sweeper chose it as the sweep ran, or
-            # this job's processes (a SLURM task count) differ: SweepCallback records the point as failed with this
-            # one line, and the other points go on
-            raise ConfigError(str(err)) from None
-        taken = isinstance(err, rundir.RunDirTaken)  # nothing is written into another run's dir
-        _single_run_failed(2, f"kdexp: error: {err}", run_dir, None if taken else f"config error: {err}\n")
+        if multirun:
+            raise  # SweepCallback names the refused point (nothing is written into its dir); the others go on
+        claim.refused(run_dir)
+        _single_run_failed(2, f"kdexp: error: {err}")
         return None
     from kdexp.train import run_point
 
@@ -198,7 +195,9 @@ def main(cfg: DictConfig):
         end = faults.ending(err)  # which errors are one line: decided there, for run_point's records too
         if end.line is None:
             raise  # kdexp.train wrote run.log and error.log; Hydra prints the traceback; exit status 1
-        _single_run_failed(end.code, end.line, run_dir, end.error_log)
+        if isinstance(err, ConfigError):  # the data or the teacher cache shows a value wrong, before the student
+            claim.withdraw(run_dir)  # a refused run: a dir it made goes, another run's dir gets no error.log
+        _single_run_failed(end.code, end.line)
         return None
 
 

@@ -18,7 +18,7 @@ import kdexp.conf  # noqa: F401
 from kdexp.config import config_hash
 from kdexp.report.live import watch
 from kdexp.report.rundirs import load_sweep
-from kdexp.track import records, rundir
+from kdexp.track import claim, records, rundir
 from kdexp.track.points import rebuild_sweep
 
 
@@ -41,20 +41,20 @@ def test_overwrite_is_not_part_of_the_identity():
 
 def test_a_run_dir_of_another_config_is_refused_unless_asked_to_start_over(tmp_path):
     run = tmp_path / "run"
-    rundir.claim(run, "aaaa", overwrite=False)  # an empty dir: this run's
+    claim.claim(run, "aaaa", overwrite=False)  # an empty dir: this run's
     assert rundir.owner(run) == "aaaa"
-    rundir.claim(run, "aaaa", overwrite=False)  # the same config again: resume / already finished
+    claim.claim(run, "aaaa", overwrite=False)  # the same config again: resume / already finished
     for name, text in ((records.METRICS, '{"step": 1}\n'), (records.SUMMARY, '{"config_hash": "aaaa"}'),
                        ("wandb_id", "abc123\n"), ("checkpoints/step_1/tp0.pt", "w")):
         (run / name).parent.mkdir(parents=True, exist_ok=True)
         (run / name).write_text(text)
     with pytest.raises(rundir.RunDirTaken) as err:
-        rundir.claim(run, "bbbb", overwrite=False)
+        claim.claim(run, "bbbb", overwrite=False)
     assert str(err.value) == (f"{run} holds the run of another config (aaaa; this config is bbbb): not overwritten; "
                               "use another run dir (hydra.run.dir=...), or trainer.overwrite=true to delete that run "
                               "and start over")
     assert (run / records.METRICS).read_text() == '{"step": 1}\n'  # untouched
-    rundir.claim(run, "bbbb", overwrite=True)
+    claim.claim(run, "bbbb", overwrite=True)
     assert rundir.owner(run) == "bbbb"
     assert not any((run / n).exists() for n in (records.METRICS, records.SUMMARY, "wandb_id", "checkpoints"))
     # a dir that ran before run.json existed is known by its summary
@@ -62,7 +62,7 @@ def test_a_run_dir_of_another_config_is_refused_unless_asked_to_start_over(tmp_p
     old.mkdir()
     (old / records.SUMMARY).write_text('{"config_hash": "cccc", "status": "finished"}')
     with pytest.raises(rundir.RunDirTaken, match=r"\(cccc; this config is dddd\)"):
-        rundir.claim(old, "dddd", overwrite=False)
+        claim.claim(old, "dddd", overwrite=False)
 
 
 def _finished(run, key="k1", steps=4, wandb="w1"):
@@ -160,3 +160,27 @@ def test_a_killed_sweep_is_interrupted_in_sweep_json_and_the_report_and_watch_en
     files = watch(sweep, interval=0.01, max_polls=3, echo=lambda line: None)
     assert files is not None and not files.live  # --watch ends on its first look
     assert "2 points: 2 interrupted" in files.html.read_text()
+
+
+def test_a_refused_run_removes_only_the_empty_dirs_made_for_it(tmp_path):
+    made = tmp_path / "outputs" / "day" / "run"
+    claim.note_new_dirs(made)  # before Hydra makes them
+    made.mkdir(parents=True)
+    claim.refused(made)
+    assert not (tmp_path / "outputs").exists()
+    mine = tmp_path / "mine"  # a dir that was there before the run: kept, even empty
+    mine.mkdir()
+    claim.note_new_dirs(mine)
+    claim.refused(mine)
+    assert mine.is_dir()
+    other = tmp_path / "other"  # a parent that was there before the run: kept
+    other.mkdir()
+    claim.note_new_dirs(other / "x")
+    (other / "x").mkdir()
+    claim.refused(other / "x")
+    assert not (other / "x").exists() and other.is_dir()
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "summary.json").write_text("{}")
+    claim.refused(held)  # a sweep point's dir that holds files stays
+    assert (held / "summary.json").read_text() == "{}"

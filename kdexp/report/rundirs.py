@@ -120,12 +120,13 @@ def load_point(run_dir: str | Path, root: Optional[str | Path] = None) -> Point:
     run_dir = Path(run_dir)
     hydra_dir = run_dir / ".hydra"
     config = _read_yaml(hydra_dir / "config.yaml") or {}
-    overrides_list = _read_yaml(hydra_dir / "overrides.yaml") or []
     hydra_cfg = (_read_yaml(hydra_dir / "hydra.yaml") or {}).get("hydra") or {}
     summary = _read_dict(run_dir / records.SUMMARY)
     point_json = _read_dict(run_dir / records.POINT) or {}
-    if not overrides_list:
-        overrides_list = point_json.get("overrides") or (summary or {}).get("overrides") or []
+    # what the point is, from what it trained: its summary (written by the run itself as it ended), its point.json,
+    # and only then .hydra/ (written when a run of the same config claims the dir: kdexp.track.claim)
+    overrides_list = (summary or {}).get("overrides") or point_json.get("overrides") \
+        or _read_yaml(hydra_dir / "overrides.yaml") or []
     choices = {k: str(v) for k, v in ((hydra_cfg.get("runtime") or {}).get("choices") or {}).items()
                if not records.is_hydra_key(str(k)) and v is not None}
     num = (hydra_cfg.get("job") or {}).get("num", point_json.get("num"))

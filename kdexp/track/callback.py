@@ -4,9 +4,11 @@
     ``pending`` and prints the count, the sweep dir and the report command;
   - on_job_start / on_job_end (the job's process: basic launcher in-process, submitit on the worker; only global
     rank 0 writes): point.json ``running`` then ``finished`` / ``reused`` / ``failed`` / ``diverged``, sweep.json
-    rebuilt from all point.json files, and a progress line;
+    rebuilt from all point.json files, and a progress line. For a task that claims its run dir (kdexp.run.main,
+    kdexp.track.claim) "running" is written once the claim is made, and a job that ended without it was refused:
+    its one line goes into sweep.json's ``refused`` list and nothing into its run dir;
   - on_multirun_end (the submitting process): the final sweep.json, a summary line, and exit status 1 when a point
-    failed or diverged (``fail_exit``).
+    failed, diverged, was interrupted (its worker died: hydra_plugins.kdexp_launcher) or was refused (``fail_exit``).
 
 The live dashboard, <sweep>/report/index.html, is regenerated when the sweep starts, when each point starts and ends
 (rank 0 of the job) and, final and without its refresh tag, when the multirun ends: through ``refresh_report``, which
@@ -27,13 +29,13 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from kdexp.distributed.launch import global_rank
-from kdexp.track import faults, records
+from kdexp.track import claim, faults, records
 from kdexp.track.hydra_adapter import is_multirun, job_exception, job_value, keep_going_past, plan_points
 from kdexp.track.naming import run_name, sweep_keys
-from kdexp.track.points import (end_lines, progress_line, rebuild_sweep, record_failure, record_point,
+from kdexp.track.points import (end_lines, progress_line, rebuild_sweep, record_failure, record_point, record_refused,
                                 report_command, set_aside_error_log, slurm_job_id)
 from kdexp.track.rundir import sweep_dir as hydra_sweep_dir
 
@@ -41,6 +43,7 @@ from kdexp.track.rundir import sweep_dir as hydra_sweep_dir
 # directory -> records.Heartbeat: the sweep's (submitting process) and a point's (job process). In the module, not on
 # the callback: submitit pickles the callback (with the launcher) to its workers, and a thread does not pickle.
 _BEATS: dict = {}
+_CLAIMING: set = set()  # run dirs of the jobs of this process whose task claims its run dir (kdexp.track.claim)
 
 
 class SweepCallback(Callback):
@@ -88,8 +91,9 @@ class SweepCallback(Callback):
             keys = sweep_keys(planned)
             points = [{"num": i, "overrides": o, "name": run_name(o, keys), "run_dir": None, "status": "pending",
                        "metrics": {}, "error": None} for i, o in enumerate(planned)]
-            records.write_json(sweep_dir / records.SWEEP,
-                               {"sweep_dir": str(sweep_dir), "total": len(points), "points": points})
+            records.write_json(sweep_dir / records.SWEEP,  # a new plan: the refusals of an earlier launch go
+                               {"sweep_dir": str(sweep_dir), "total": len(points), "points": points, "keys": keys,
+                                "launcher": {"pid": os.getpid(), "host": socket.gethostname()}})
         rebuild_sweep(sweep_dir)
         n = f"{len(planned)} points" if planned is not None else "an unknown number of points"
         print(f"[sweep] {n} -> {sweep_dir}\n[sweep] report: {report_command(sweep_dir)}"
@@ -106,7 +110,8 @@ class SweepCallback(Callback):
         self._beat(hydra_sweep_dir(config.hydra), False)
         self._refresh_report(hydra_sweep_dir(config.hydra), live=False)
         print("\n".join(end_lines(sweep, dashboard=self.report)), flush=True)
-        if self.fail_exit and any(sweep["counts"][s] for s in records.ENDED_BADLY):
+        if self.fail_exit and (any(sweep["counts"][s] for s in (*records.ENDED_BADLY, "interrupted"))
+                               or sweep.get("refused")):
             raise SystemExit(1)  # not an Exception: Hydra's callback wrapper would turn that into a warning
 
     # job process ----------------------------------------------------------------------------------------------------
@@ -114,6 +119,15 @@ class SweepCallback(Callback):
         if not is_multirun(config.hydra) or global_rank() != 0:
             return
         run_dir = Path(config.hydra.runtime.output_dir)
+        if claim.claims(kwargs.get("task_function")):
+            # nothing goes into the run dir before the task has claimed it (kdexp.track.claim): a point refused
+            # there leaves that dir as it was
+            _CLAIMING.add(run_dir)
+            claim.after_claim(run_dir, lambda: self._start_point(config, run_dir))
+        else:
+            self._start_point(config, run_dir)
+
+    def _start_point(self, config: DictConfig, run_dir: Path) -> None:
         previous = records.read_json(run_dir / records.POINT) or {}
         # A point.json already there means SLURM requeued this point (timeout/preemption) into the same run dir.
         attempt = int(previous.get("attempt", 0)) + 1
@@ -128,8 +142,12 @@ class SweepCallback(Callback):
     def on_job_end(self, config: DictConfig, job_return: Any, **kwargs: Any) -> None:
         if not is_multirun(config.hydra):
             return
+        run_dir = Path(config.hydra.runtime.output_dir)
         exc = job_exception(job_return)
-        line = faults.one_line(exc)  # a full disk, a refused value: the single run's one line, no traceback
+        if run_dir in _CLAIMING and not claim.is_claimed(run_dir):
+            _CLAIMING.discard(run_dir)
+            return self._refused(config, job_return, exc)
+        line = faults.one_line(exc)  # a full disk, a value its setup refuses: the single run's one line, no traceback
         if line is not None and global_rank() == 0:
             print(f"kdexp: error: {line}", file=sys.stderr, flush=True)
         elif exc is not None and line is None:  # every rank: the traceback goes to this task's log (submitit: one
@@ -142,10 +160,26 @@ class SweepCallback(Callback):
             if told is None:
                 raise
             print(f"kdexp: error: {told} (the sweep's records of this point)", file=sys.stderr, flush=True)
-        self._beat(Path(config.hydra.runtime.output_dir), False)
+        self._beat(run_dir, False)
+        if run_dir in _CLAIMING:
+            _CLAIMING.discard(run_dir)
+            claim.release(run_dir)  # its records are written: the next claim of this dir may go ahead
         if exc is not None and self.keep_going:
             status = (point or {}).get("status", "failed")
             keep_going_past(job_return, {"status": status, "error": line or f"{type(exc).__name__}: {exc}"})
+
+    def _refused(self, config: DictConfig, job_return: Any, exc: Optional[BaseException]) -> None:
+        """A point refused before it claimed its run dir: its one line, named in sweep.json, nothing in that dir."""
+        line = str(exc) if exc is not None else "refused before it claimed its run dir"
+        if global_rank() == 0:
+            print(f"kdexp: error: {line}", file=sys.stderr, flush=True)
+            run_dir = Path(config.hydra.runtime.output_dir)
+            claim.refused(run_dir)
+            num = OmegaConf.select(config, "hydra.job.num")
+            sweep = record_refused(hydra_sweep_dir(config.hydra), num, list(config.hydra.overrides.task), line)
+            print(progress_line(sweep, dashboard=self.report), flush=True)
+        if exc is not None and self.keep_going:
+            keep_going_past(job_return, {"status": "refused", "error": line})
 
     def _record_end(self, config: DictConfig, job_return: Any, exc: Optional[BaseException]) -> Optional[dict]:
         run_dir = Path(config.hydra.runtime.output_dir)

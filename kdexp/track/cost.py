@@ -14,8 +14,10 @@ evaluation passes are not counted); with ``teacher=cached`` the step runs no tea
 and the cache build's teacher pass is recorded under ``cache``, once per build: the report divides it over the
 points of a sweep that share the cache (kdexp.report.cost). Other one-time work a run used (the embedded teacher's
 pretraining, done by whichever point needed it first) is listed under ``one_time`` with what building it cost (its
-``build.json``, None when it was built before such records existed), shared the same way. ``wall_s`` is this process's time in the point (a run
-resumed after a kill counts its last attempt only); device-hours = wall_s x device_count / 3600, and like tokens/s
+``build.json``, None when it was built before such records existed), shared the same way. ``wall_s``, tokens and
+FLOPs are this process's work in the point: a run resumed after a kill counts its last attempt only, the steps after
+the checkpoint it resumed from (summary.json's ``resumed_from`` and ``trained_steps`` say which); device-hours =
+wall_s x device_count / 3600, and like tokens/s
 it depends on the machine and its load.
 """
 from __future__ import annotations
@@ -86,11 +88,14 @@ def tokens_per_step(cfg: Any, world_size: int) -> int:
     return accumulation_steps(t.global_batch_size, micro, dp) * micro * dp * int(t.seq_length)
 
 
-def run_cost(cfg: Any, *, wall_s: float, flops_per_token: Callable[[Any], dict], device: Any = None) -> dict:
-    """The cost record of a run that trained cfg.trainer.max_steps steps in ``wall_s`` seconds. ``flops_per_token(cfg)``
+def run_cost(cfg: Any, *, wall_s: float, flops_per_token: Callable[[Any], dict], device: Any = None,
+             steps: Optional[int] = None) -> dict:
+    """The cost record of a run that trained ``steps`` steps (default cfg.trainer.max_steps) in ``wall_s`` seconds:
+    only the work this process did (a resumed run counts the steps after its checkpoint). ``flops_per_token(cfg)``
     -> {"student", "teacher_forward"}: model FLOPs per trained token (kdexp.plan.flops_per_token)."""
     count, kind = device_info(device)
-    tokens = int(cfg.trainer.max_steps) * tokens_per_step(cfg, count)
+    steps = int(cfg.trainer.max_steps) if steps is None else int(steps)
+    tokens = steps * tokens_per_step(cfg, count)
     cached = cfg.teacher.name == "cached"
     cost: dict[str, Any] = {"wall_s": wall_s, "device_count": count, "device_kind": kind,
                             "device_hours": device_hours(wall_s, count), "tokens": tokens,

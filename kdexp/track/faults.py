@@ -30,6 +30,7 @@ from typing import Any, Iterator, NamedTuple, Optional
 from hydra.experimental.callback import Callback
 
 from kdexp.rules import ConfigError
+from kdexp.track.claim import note_new_dirs
 
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
 PROBE_BYTES = 64 * 1024  # what .hydra/, run.log and the first records need before the first checkpoint
@@ -68,13 +69,11 @@ def is_diverged(err: BaseException) -> bool:
 class Ending(NamedTuple):
     """How a single run that raised ends. ``code``: the exit status; ``line``: printed on stderr instead of a
     traceback (None: the traceback, Hydra prints it); ``traceback_as``: the heading under which run_point records the
-    traceback in run.log and error.log (None: no traceback there); ``error_log``: what kdexp.run writes there instead
-    (None: nothing)."""
+    traceback in run.log and error.log (None: no traceback there; a refused run writes nothing, kdexp.track.claim)."""
 
     code: int
     line: Optional[str]
     traceback_as: Optional[str]
-    error_log: Optional[str]
 
 
 def ending(exc: BaseException) -> Ending:
@@ -83,13 +82,13 @@ def ending(exc: BaseException) -> Ending:
     where), a disk fault anywhere in the chain (exit 1, the path and the cause). Anything else is a traceback, exit 1.
     In a sweep every exception goes to the sweep callback instead (kdexp.track.sweep)."""
     if isinstance(exc, ConfigError):
-        return Ending(2, f"kdexp: error: {exc}", None, f"config error: {exc}\n")
+        return Ending(2, f"kdexp: error: {exc}", None)
     if is_diverged(exc):
-        return Ending(1, f"kdexp: {exc}", "run diverged", None)
+        return Ending(1, f"kdexp: {exc}", "run diverged")
     line = one_line(exc)
     if line is not None:
-        return Ending(1, f"kdexp: error: {line}", None, None)
-    return Ending(1, None, "run failed", None)
+        return Ending(1, f"kdexp: error: {line}", None)
+    return Ending(1, None, "run failed")
 
 
 def one_line(exc: Optional[BaseException]) -> Optional[str]:
@@ -144,6 +143,7 @@ class WritableDirs(Callback):
     callback's ordinary exception into a warning and goes on."""
 
     def on_run_start(self, config, **kwargs: Any) -> None:
+        note_new_dirs(Path(str(config.hydra.run.dir)))  # a refused run removes the dirs made for it
         line = probe(Path(str(config.hydra.run.dir)))
         if line is not None:
             stop(line)

@@ -4,7 +4,13 @@ Private APIs used here, and nowhere else:
   - the basic sweeper's expansion of a sweep into points (kdexp.config.multirun.expand, which the submitting process
     also uses to check every point first), to list them before they launch (sweep.json starts with every point
     pending);
-  - ``JobReturn._return_value``: the exception of a failed job (the public ``return_value`` re-raises it).
+  - ``JobReturn._return_value``: the exception of a failed job (the public ``return_value`` re-raises it);
+  - ``HydraConfig.instance().cfg``: the ``{hydra: ...}`` node Hydra itself saves as ``.hydra/hydra.yaml``.
+
+``.hydra/``: Hydra's ``run_job`` makes the run dir and writes ``.hydra/{config,hydra,overrides}.yaml`` before any
+callback or the task runs, so a run refused by its checks would already have rewritten another run's labels. kdexp's
+config sets ``hydra.output_subdir`` to null and ``save_job_files`` writes the same three files once the run has
+claimed its dir (kdexp.track.claim).
 
 What Hydra 1.3 does with a failing job, and why SweepCallback acts in on_job_end (read from hydra/core/utils.py,
 hydra/_internal/core_plugins/basic_{launcher,sweeper}.py, hydra_plugins/hydra_submitit_launcher/submitit_launcher.py):
@@ -74,6 +80,29 @@ def job_exception(job_return: Any) -> Optional[BaseException]:
 def job_value(job_return: Any) -> Any:
     """What a completed job's task function returned (None for a failed one), without re-raising."""
     return None if job_exception(job_return) is not None else job_return._return_value
+
+
+def save_job_files(hydra_dir, job) -> None:
+    """``.hydra/config.yaml`` (the task config ``job``), ``hydra.yaml`` and ``overrides.yaml`` of the current job, as
+    Hydra's run_job writes them (OmegaConf.to_yaml, interpolations kept), each atomically."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_dir = Path(hydra_dir)
+    hydra_dir.mkdir(parents=True, exist_ok=True)
+    whole = HydraConfig.instance().cfg
+    for name, node in (("config.yaml", job), ("hydra.yaml", whole), ("overrides.yaml", whole.hydra.overrides.task)):
+        fd, tmp = tempfile.mkstemp(dir=hydra_dir, prefix=f".{name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(OmegaConf.to_yaml(node))
+            os.replace(tmp, hydra_dir / name)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def keep_going_past(job_return: Any, value: Mapping[str, Any]) -> None:

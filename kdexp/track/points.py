@@ -120,24 +120,45 @@ def _key(p: Mapping[str, Any]) -> tuple:
     return ("num", p["num"]) if p.get("num") is not None else ("dir", p.get("run_dir"))
 
 
+def record_refused(sweep_dir: str | Path, num: Optional[int], overrides: list, error: str) -> dict:
+    """A point refused before it claimed its run dir (kdexp.track.claim): named in sweep.json's ``refused`` list,
+    never in that run dir, which holds another run or nothing. Returns the rebuilt sweep.json."""
+    sweep_dir = Path(sweep_dir).resolve()
+    with records.locked(sweep_dir / ".sweep.lock"):
+        sweep = records.read_json(sweep_dir / records.SWEEP) or {"sweep_dir": str(sweep_dir), "points": []}
+        entry = {"num": num, "overrides": list(overrides), "error": error, "at": records.now(),
+                 "name": run_name(list(overrides), sweep.get("keys"))}
+        sweep["refused"] = [r for r in sweep.get("refused", []) if r.get("num") != num or num is None] + [entry]
+        records.write_json(sweep_dir / records.SWEEP, sweep)
+    return rebuild_sweep(sweep_dir)
+
+
 def rebuild_sweep(sweep_dir: str | Path) -> dict:
-    """sweep.json from the entries already there (the plan: pending points) and every point.json below sweep_dir."""
+    """sweep.json from the entries already there (the plan: pending points) and every point.json below sweep_dir.
+    A refused point (``refused``) is no pending point of the plan; a point.json of its num on disk is another run's
+    record and stays as it is."""
     sweep_dir = Path(sweep_dir).resolve()
     sweep_dir.mkdir(parents=True, exist_ok=True)
     # each job writes its point.json before taking the lock, so the last one to take it sees every point
     with records.locked(sweep_dir / ".sweep.lock"):
         old = records.read_json(sweep_dir / records.SWEEP) or {}
-        by_key: dict = {_key(p): p for p in old.get("points", [])}
+        refused = old.get("refused") or []
+        by_key: dict = {_key(p): p for p in old.get("points", [])
+                        if not (p.get("run_dir") is None and any(r.get("num") == p.get("num") for r in refused))}
         for p in _walk_points(sweep_dir):
             by_key.pop(("dir", p.get("run_dir")), None)
-            by_key[_key(p)] = {**by_key.get(_key(p), {}), **p}  # keeps the plan's fields (name) under the point's
+            plan = by_key.get(_key(p), {})
+            if plan.get("overrides") not in (None, p.get("overrides")):
+                plan = {}  # the plan of a later command whose point was refused: its name is not this run's
+            by_key[_key(p)] = {**plan, **p}  # keeps the plan's fields (name) under the point's
         # a point recorded pending/running whose process is gone is "interrupted" (records.liveness)
         for key, p in by_key.items():
             by_key[key] = {**p, "status": records.liveness(p, sweep_dir)}
         points = sorted(by_key.values(), key=lambda p: (p.get("num") is None, p.get("num") or 0, p.get("run_dir")))
         counts = {s: sum(p.get("status") == s for p in points) for s in records.STATUSES}
         sweep = {"sweep_dir": str(sweep_dir), "total": old.get("total", len(points)) or len(points),
-                 "counts": counts, "updated": records.now(), "points": points}
+                 "counts": counts, "updated": records.now(), "points": points, "refused": refused,
+                 "keys": old.get("keys"), "launcher": old.get("launcher")}
         records.write_json(sweep_dir / records.SWEEP, sweep)
     return sweep
 
@@ -170,18 +191,26 @@ def wandb_sync_line(sweep_dir: str | Path) -> Optional[str]:
 
 
 def end_lines(sweep: Mapping[str, Any], dashboard: bool = False) -> list[str]:
-    """The sweep's last words: the counts, one line per failed or diverged point naming its error.log, then where
+    """The sweep's last words: the counts, one line per failed, diverged, interrupted or refused point (a failed or
+    diverged one naming its error.log), then where
     the report is (``dashboard``: the sweep built it, so its path; else the command that builds it) and the one
     command that uploads the sweep's offline W&B runs."""
     c = sweep["counts"]
     lines = [f"[sweep] ended: {c['finished']} finished, {c['reused']} reused, {c['failed']} failed,"
              f" {c['diverged']} diverged, {c['running'] + c['pending']} not finished"
-             + (f", {c['interrupted']} interrupted" if c.get("interrupted") else "") + f", of {sweep['total']}"
+             + (f", {c['interrupted']} interrupted" if c.get("interrupted") else "")
+             + (f", {len(sweep['refused'])} refused" if sweep.get("refused") else "") + f", of {sweep['total']}"
              f" - {Path(sweep['sweep_dir']) / records.SWEEP}"]
     for p in sweep["points"]:
         if p.get("status") in records.ENDED_BADLY:
             lines.append(f"[sweep] {p['status']} #{p.get('num')}: {p.get('name') or run_name(p.get('overrides') or [])}:"
                          f" {p.get('error')} (see {p.get('run_dir')}/{records.ERROR_LOG})")
+    for p in sweep["points"]:
+        if p.get("status") == "interrupted":
+            lines.append(f"[sweep] interrupted #{p.get('num')}: {p.get('name') or run_name(p.get('overrides') or [])}:"
+                         " its process is gone (killed, out of memory or preempted); rerun the sweep to resume it")
+    for r in sweep.get("refused") or []:  # nothing of these points was written: their line is all there is
+        lines.append(f"[sweep] refused #{r.get('num')}: {r.get('name')}: {r.get('error')}")
     html = dashboard_path(sweep["sweep_dir"])
     lines.append(f"[sweep] report: {html}" if dashboard and html.is_file() else
                  f"[sweep] report: {report_command(sweep['sweep_dir'])}")

@@ -122,6 +122,38 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     return out
 
 
+def missing_steps(lines: Iterable[dict], upto: int, *, log_interval: int, eval_interval: int,
+                  max_steps: int) -> dict[str, list[int]]:
+    """The steps up to ``upto`` whose metrics.jsonl line is not among ``lines``, by kind ("train", "val"): a run
+    logs its train line every log_interval steps and evaluates every eval_interval steps, and both at max_steps."""
+    have: dict[str, set] = {"train": set(), "val": set()}
+    for r in lines:
+        if r.get("kind") in have and isinstance(r.get("step"), int):
+            have[r["kind"]].add(r["step"])
+    out = {}
+    for kind, every in (("train", log_interval), ("val", eval_interval)):
+        want = [s for s in range(1, upto + 1) if s % every == 0 or s == max_steps]
+        out[kind] = [s for s in want if s not in have[kind]]
+    return out
+
+
+def spans(steps: list[int]) -> str:
+    """[2, 3, 4, 9] -> '2-4, 9'."""
+    out: list[str] = []
+    for s in steps:
+        if out and s == int(out[-1].split("-")[-1]) + 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{s}"
+        else:
+            out.append(str(s))
+    return ", ".join(out)
+
+
+def gap_line(missing: dict[str, list[int]]) -> Optional[str]:
+    """'the train lines of steps 12-25 and the val lines of steps 15, 20' for what missing_steps found, else None."""
+    parts = [f"the {kind} lines of steps {spans(steps)}" for kind, steps in missing.items() if steps]
+    return " and ".join(parts) or None
+
+
 def ended_status(summary: Optional[dict]) -> Optional[str]:
     """How the run whose summary.json this is ended: finished, reused (a finished earlier point's summary), diverged
     or failed; None without a summary (the run has not ended, or it died without one)."""
@@ -263,18 +295,24 @@ def _pid_gone(point: dict) -> bool:
 
 
 def liveness(point: dict, sweep_dir: Optional[str | os.PathLike] = None, now: Optional[float] = None) -> str:
-    """The status of a point record as it stands now: "interrupted" for a "running" point whose process is gone (its
-    pid on this host, or its heartbeat stale) and for a "pending" point of a sweep whose launching process is gone
-    (the sweep dir's heartbeat stale and the point never started); else the recorded status."""
+    """The status of a point record as it stands now: "interrupted" for a "running" or "pending" point whose own
+    process is gone (a worker recorded its pid: gone on this host, or its heartbeat stale; a point waiting for a
+    local slot is such a pending point), and for a "pending" point of the plan whose launching process is gone (the
+    sweep dir's heartbeat stale, or the launcher's pid gone on this host, and the point never started); else the
+    recorded status."""
     status = point.get("status")
     now = time.time() if now is None else now
-    if status == "running":
-        if _pid_gone(point):
-            return "interrupted"
-        run_dir = point.get("run_dir")
-        return "interrupted" if run_dir and _stale(run_dir, now) else status
-    if status == "pending" and sweep_dir is not None and _stale(sweep_dir, now):
+    if status not in ("running", "pending"):
+        return status
+    if _pid_gone(point):
         return "interrupted"
+    run_dir = point.get("run_dir")
+    if run_dir and (point.get("pid") is not None or status == "running"):
+        return "interrupted" if _stale(run_dir, now) else status
+    if status == "pending" and sweep_dir is not None:
+        launcher = read_json(Path(sweep_dir) / SWEEP) or {}
+        if _stale(sweep_dir, now) or _pid_gone(launcher.get("launcher") or {}):
+            return "interrupted"
     return status
 
 

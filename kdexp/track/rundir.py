@@ -119,7 +119,8 @@ class PointIndex:
 
 
 class RunDirTaken(ValueError):
-    """A run dir that holds another config's run: refused before anything is written (exit 2 for a single run)."""
+    """A run dir that holds another config's run: refused before anything is written (exit 2 for a single run;
+    kdexp.track.claim)."""
 
 
 def owner(run_dir: Path) -> Optional[str]:
@@ -130,35 +131,6 @@ def owner(run_dir: Path) -> Optional[str]:
         if isinstance(data, dict) and isinstance(data.get("config_hash"), str):
             return data["config_hash"]
     return None
-
-
-# What a run writes into its run dir, removed when the user asks to start over (trainer.overwrite=true). Hydra's
-# .hydra/ is rewritten by Hydra itself; logs are appended; the W&B id goes so that the new run gets its own record.
-_RUN_OUTPUTS = (records.SUMMARY, records.METRICS, records.RUN, "wandb_id", "checkpoints", "student_hf")
-
-
-def claim(run_dir: Path, key: str, *, overwrite: bool) -> None:
-    """Make ``run_dir`` this config's (``key``) run dir, on global rank 0 (the others only check).
-
-    Another config's run there is refused (RunDirTaken naming both hashes and the two ways on) unless ``overwrite``,
-    which removes that run's outputs first (its checkpoints, metrics, summary and W&B id): a rerun never silently
-    overwrites a finished run nor reuses its W&B record."""
-    run_dir = Path(run_dir)
-    held = owner(run_dir)
-    if held is not None and held != key:
-        if not overwrite:
-            raise RunDirTaken(f"{run_dir} holds the run of another config ({held}; this config is {key}): not "
-                              "overwritten; use another run dir (hydra.run.dir=...), or trainer.overwrite=true to "
-                              "delete that run and start over")
-        if launch_env().rank == 0:
-            for name in _RUN_OUTPUTS:
-                path = run_dir / name
-                if path.is_dir():
-                    shutil.rmtree(path)
-                else:
-                    path.unlink(missing_ok=True)
-    if launch_env().rank == 0 and held != key:
-        write_json(run_dir / records.RUN, {"config_hash": key})
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -173,10 +145,11 @@ def wandb_id(run_dir: Path) -> Optional[str]:
         return None
 
 
-def verified_summary(previous: Path, key: str) -> tuple[Optional[dict], Optional[str]]:
+def verified_summary(previous: Path, key: str, intervals: Optional[dict] = None) -> tuple[Optional[dict], Optional[str]]:
     """(the summary of ``previous``, None) when it is the ended run of config ``key`` with the files it claims, else
     (None, why not). The points index only says where a config ran once; the dir may since hold another run, be
-    torn or be a copy: what is reused is checked, not trusted."""
+    torn or be a copy: what is reused is checked, not trusted. ``intervals`` (log_interval, eval_interval,
+    max_steps of the config): a finished run's metrics.jsonl must hold every line it logged, not only its last."""
     previous = Path(previous)
     summary = read_json(previous / records.SUMMARY)
     if not isinstance(summary, dict):
@@ -194,6 +167,9 @@ def verified_summary(previous: Path, key: str) -> tuple[Optional[dict], Optional
         if not steps or max(steps) != summary.get("steps"):
             return None, (f"its {records.METRICS} ends at step {max(steps) if steps else None}, its summary says "
                           f"{summary.get('steps')} steps")
+        gap = records.gap_line(records.missing_steps(lines, summary["steps"], **intervals)) if intervals else None
+        if gap is not None:
+            return None, f"its {records.METRICS} lacks {gap}"
     return summary, None
 
 

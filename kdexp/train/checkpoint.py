@@ -160,7 +160,7 @@ def _gather(obj: Any) -> list:
     return out
 
 
-def _from_rank0(obj: Any) -> Any:
+def from_rank0(obj: Any) -> Any:
     if _world() == 1:
         return obj
     box = [obj]
@@ -306,7 +306,7 @@ def load(ckpt_dir: Path, *, config_hash: Optional[str] = None) -> Optional[dict[
     """
     st = distributed.state()
     ckpt_dir = Path(ckpt_dir)
-    candidates, error = _from_rank0(_candidates(ckpt_dir) if st.rank == 0 else None)
+    candidates, error = from_rank0(_candidates(ckpt_dir) if st.rank == 0 else None)
     if error is not None:  # every rank raises (rank 0 alone would leave the others waiting in a collective)
         raise RuntimeError(error)
     bad: list[str] = []

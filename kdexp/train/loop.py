@@ -23,7 +23,7 @@ from kdexp import assets, distributed, models
 from kdexp.config import precision
 from kdexp.config.checks import accumulation_steps
 from kdexp.data import batches, prepare
-from kdexp.track import faults
+from kdexp.track import faults, records
 from kdexp.track.metrics import IntervalMeter, MetricsFile, Progress, console_line, eval_line
 from kdexp import objective
 from kdexp.train import checkpoint, megatron_optim, optim, signals
@@ -133,12 +133,32 @@ def _final(last_train: dict, last_eval: dict) -> dict:
     return {**{k: v for k, v in last_train.items() if not k.startswith("train/lr")}, **last_eval}
 
 
+def _history_checked(state: dict, source: Optional[Path], run_dir: Path, t) -> tuple[Optional[dict], Optional[Path]]:
+    """(state, source) when the metrics.jsonl that goes with the checkpoint (this run dir's, or ``source``'s) holds
+    every line logged up to the checkpoint's step; else (None, None) with one line saying so: the run trains from step
+    0, so that its record holds every step once instead of a hole. Rank 0 reads, every rank is told."""
+    step = state["step"]
+    gap = None
+    if distributed.state().rank == 0:
+        lines = records.read_jsonl(Path(source or run_dir) / records.METRICS)
+        gap = records.gap_line(records.missing_steps(lines, step, log_interval=t.log_interval,
+                                                     eval_interval=t.eval_interval, max_steps=t.max_steps))
+        if gap is not None:
+            log.warning("not resuming from checkpoint step %d of %s: its %s lacks %s; training from step 0, so that "
+                        "every step is logged once", step, source or run_dir, records.METRICS, gap)
+    if checkpoint.from_rank0(gap) is None:
+        return state, source
+    return None, None
+
+
 def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path] = None,
-            wandb_logger=None, make_teacher: Callable = get_teacher) -> tuple[dict, torch.nn.Module]:
+            wandb_logger=None, make_teacher: Callable = get_teacher,
+            on_resume: Optional[Callable[[Path, int], None]] = None) -> tuple[dict, torch.nn.Module]:
     """Train the student; returns (final metrics, the student), exported to run_dir/student_hf with
     trainer.export_hf. Raises kdexp.train.Diverged on a non-finite step.
 
-    Checkpoints of another config are not resumed. `make_teacher`: as in `setup`."""
+    Checkpoints of another config are not resumed. `make_teacher`: as in `setup`. `on_resume(dir, step)`: told where
+    the run resumed from (this run dir or `resume_from`) before it trains."""
     st = distributed.state()
     t = cfg.trainer
     rank0 = st.rank == 0
@@ -154,6 +174,8 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
     if state is None and resume_from is not None:
         state = checkpoint.load(Path(resume_from) / "checkpoints", config_hash=config_hash)
         source = Path(resume_from) if state is not None else None
+    if state is not None:
+        state, source = _history_checked(state, source, Path(run_dir), t)
     start, saved = 0, None  # saved: the newest checkpoint step in this run dir
     guard = NonFiniteGuard(t.skip_nonfinite)
     driver = StepDriver(s, cfg, guard)
@@ -167,6 +189,8 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
         saved = start if source is None else None
         if rank0:
             log.info("resuming from step %d (%s)", start, ckpt_dir if source is None else source)
+        if on_resume is not None:
+            on_resume(Path(run_dir) if source is None else source, start)
     metrics = MetricsFile(Path(run_dir) / "metrics.jsonl", enabled=rank0, resume_step=start,
                           history=None if source is None else source / "metrics.jsonl")
 
@@ -245,7 +269,7 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
                 if saved != done:
                     saved = save(done)
                 line = (f"preempted by {signals.name(signum)} after step {done}/{t.max_steps}: checkpoint step "
-                        f"{done} saved in {ckpt_dir}; exit status {128 + signum}; {signals.resume_hint(run_dir)}")
+                        f"{done} saved in {ckpt_dir}; exit status {128 + signum}; {signals.resume_hint(run_dir, signum)}")
                 if rank0:
                     log.warning(line)
                 preemption.stop(signum, done, line)

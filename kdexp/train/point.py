@@ -24,7 +24,7 @@ from hydra.types import RunMode
 
 from kdexp import distributed
 from kdexp.config import config_hash
-from kdexp.track import faults, records, rundir, sweep
+from kdexp.track import claim, faults, records, rundir, sweep
 from kdexp.train.errors import Diverged
 from kdexp.track.cost import run_cost
 from kdexp.track.loggers import log_reused, open_loggers
@@ -84,6 +84,19 @@ def _diverged_before(run_dir: Path, earlier: dict, where: Path) -> Diverged:
                     metrics=earlier.get("final"), skipped=earlier.get("skipped_steps") or 0, checkpoint=ckpt)
 
 
+def _wait_for(previous: Path, rank0: bool, poll_s: float = 2.0) -> None:
+    """Block while a live process holds ``previous`` (its run dir lock, kdexp.track.claim): two sweeps started
+    together on one cold cache, or a rerun beside an orphaned worker, never train or copy one config midway; once
+    it is free, what it left is verified as usual (a finished run is reused, an interrupted one resumed)."""
+    who = claim.holder(previous)
+    if who is None:
+        return
+    if rank0:
+        log.info("waiting for the run of %s, which trains this config in %s", who, previous)
+    while claim.holder(previous) is not None:
+        time.sleep(poll_s)
+
+
 def run_point(cfg, *, flops_per_token: Callable[[Any], dict]) -> dict:
     """Run (or reuse) one point. A failure outside a sweep leaves its traceback in run.log and error.log (in a sweep,
     SweepCallback records it); a divergence also leaves summary.json with status "diverged"; then it re-raises.
@@ -115,7 +128,10 @@ def _run_point(cfg, run_dir: Path, multirun: bool, overrides: list, hc,
     index = rundir.PointIndex(cfg.paths.index)
     previous = index.lookup(key) if (multirun and cfg.trainer.reuse_finished) else None
     if previous is not None and previous.resolve() != run_dir.resolve():
-        earlier, problem = rundir.verified_summary(previous, key)
+        _wait_for(previous, rank0)  # another live process trains this config there: its outcome, not a copy midway
+        earlier, problem = rundir.verified_summary(previous, key, intervals={
+            "log_interval": cfg.trainer.log_interval, "eval_interval": cfg.trainer.eval_interval,
+            "max_steps": cfg.trainer.max_steps})
         if problem is not None and rank0:
             log.warning("not reusing %s: %s; training this point", previous, problem)
         if earlier is not None and earlier.get("status") in (*records.ENDED_WELL, "diverged"):
@@ -153,13 +169,20 @@ def _run_point(cfg, run_dir: Path, multirun: bool, overrides: list, hc,
 
     wandb_logger = open_loggers(cfg, run_dir, hc, enabled=distributed.is_rank0(), overrides=overrides)
     record = {"config_hash": key, "overrides": overrides, "steps": cfg.trainer.max_steps, "reused_from": None,
-              "run_dir": str(run_dir), "wandb_id": rundir.wandb_id(run_dir), "models": model_labels(cfg)}
+              "resumed_from": None, "trained_steps": cfg.trainer.max_steps, "run_dir": str(run_dir),
+              "wandb_id": rundir.wandb_id(run_dir), "models": model_labels(cfg)}
     if distributed.is_rank0():
         log.info("teacher %s -> student %s", *(f"{m['label']} ({m['shape']})" if "shape" in m else m["label"]
                                                 for m in record["models"].values()))
+
+    def resumed(where: Path, step: int) -> None:  # what this process trains: the steps after that checkpoint
+        record.update(resumed_from={"run_dir": str(Path(where).resolve()), "step": step},
+                      trained_steps=cfg.trainer.max_steps - step)
+
     try:
         # with trainer.export_hf, distill writes run_dir/student_hf (weights, tokenizer, generation config)
-        final, _ = distill(cfg, run_dir, config_hash=key, resume_from=previous, wandb_logger=wandb_logger)
+        final, _ = distill(cfg, run_dir, config_hash=key, resume_from=previous, wandb_logger=wandb_logger,
+                           on_resume=resumed)
     except Diverged as exc:
         if distributed.is_rank0():
             wandb_logger.summary({**exc.metrics, "diverged_step": exc.step})
@@ -178,7 +201,7 @@ def _run_point(cfg, run_dir: Path, multirun: bool, overrides: list, hc,
     summary = {**record, "status": "finished", "wall_s": wall_s, "final": final,
                "skipped_steps": int(final.get("train/skipped_steps", 0)),
                "cost": run_cost(cfg, wall_s=wall_s, flops_per_token=flops_per_token,  # kdexp.track.cost
-                                 device=distributed.state().device)}
+                                device=distributed.state().device, steps=record["trained_steps"])}
     if distributed.is_rank0():
         wandb_logger.summary({**final, "cost": summary["cost"]})  # W&B keeps the cost too (a report from the group)
         records.write_json(run_dir / records.SUMMARY, summary)  # last: its presence means the run finished

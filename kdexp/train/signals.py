@@ -117,25 +117,32 @@ def name(signum: int) -> str:
         return f"signal {signum}"
 
 
-def resume_hint(run_dir: Path) -> str:
-    """How this run continues: submitit requeues it; a sweep resumes the point when rerun; a single run is rerun
-    with its overrides in the same run dir (the default run dir is a new timestamp, hence hydra.run.dir)."""
+def resume_hint(run_dir: Path, signum: Optional[int] = None) -> str:
+    """How this run continues after signal ``signum``: submitit requeues the job only for its own requeue signal
+    (SIGUSR2 unless SUBMITIT_PREEMPT_SIGNAL says otherwise; its SIGTERM handler only logs, on SLURM and under the
+    local executor alike); otherwise a sweep resumes the point when rerun, and a single run is rerun with its
+    overrides in the same run dir (the default run dir is a new timestamp, hence hydra.run.dir)."""
     from kdexp.distributed.launch import launch_env
 
     source = launch_env().source
+    nothing = ""
     if source == "submitit":
-        return "submitit requeues the job, which resumes from this step"
+        requeue = getattr(signal, "SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2"), None)
+        if signum is None or signum == requeue:
+            return "submitit requeues the job, which resumes from this step"
+        nothing = (f"nothing requeues the job (submitit requeues on {name(requeue) if requeue else '?'} only, not "
+                   f"{name(signum)}); ")
     try:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
         hc = HydraConfig.get()
     except Exception:  # noqa: BLE001 - not a Hydra job (a tool calling the loop)
-        return f"rerun in {run_dir} to resume from this step"
+        return f"{nothing}rerun in {run_dir} to resume from this step"
     if hc.mode == RunMode.MULTIRUN:
-        return "rerun the same sweep command: it resumes this point from this step"
+        return f"{nothing}rerun the same sweep command: it resumes this point from this step"
     overrides = [o for o in hc.overrides.task]
     args = " ".join(shlex.quote(a) for a in [*overrides, f"hydra.run.dir={Path(run_dir).resolve()}"])
     launcher = "python -m kdexp.run" if source == "local" else f"the same launcher ({source}) with -m kdexp.run"
-    return f"resume with: {launcher} {args}"
+    return f"{nothing}resume with: {launcher} {args}"
 
