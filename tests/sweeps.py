@@ -128,13 +128,20 @@ def expected_real_points(sweep_dir: Path) -> dict:
 
 def checked_real_points(sweep_dir: Path, proc: subprocess.CompletedProcess) -> dict:
     """expected_real_points, after checking the sweep did what the tests rely on: alpha 0.0 and 1.0 finished, 1.5
-    failed in validation. Otherwise the assertion shows each point's error and the sweep's output."""
+    refused by the job's own validation before it claimed a run dir (no point.json, no run dir: named in sweep.json's
+    ``refused`` list only, which adds it here as {"status": "refused", "error": its line}). Otherwise the assertion
+    shows each point's error and the sweep's output."""
     points = expected_real_points(sweep_dir)
+    sweep = json.loads((Path(sweep_dir) / "sweep.json").read_text())
+    refused = sweep.get("refused") or []
     statuses = {a: p["status"] for a, p in points.items()}
-    detail = (f"sweep rc={proc.returncode} statuses={statuses}\n"
+    detail = (f"sweep rc={proc.returncode} statuses={statuses} refused={refused}\n"
               + "".join(f"alpha={a}: {p['error']}\n" for a, p in points.items() if p["error"])
               + f"--- stdout\n{proc.stdout[-3000:]}\n--- stderr\n{proc.stderr[-3000:]}")
-    assert statuses == {0.0: "finished", 1.0: "finished", 1.5: "failed"}, detail
+    assert statuses == {0.0: "finished", 1.0: "finished"}, detail
+    assert len(refused) == 1 and "balancer.alpha=1.5" in refused[0]["overrides"], detail
+    assert proc.returncode == 1, detail  # a refused point fails the sweep's exit status
+    points[1.5] = {"status": "refused", "error": refused[0]["error"], "run_dir": None, "final": None, "last": {}}
     return points
 
 
