@@ -22,12 +22,14 @@ WHEELHOUSE ?= wheelhouse
 TEST_WORKERS ?= 2
 
 # The venv is created once; torch is installed first, pinned to the version the suite is tested with, so that
-# `pip install -e .` finds it satisfied and pulls no other build.
+# `pip install -e .` finds it satisfied and pulls no other build. The editable install is setuptools' "compat" mode (a
+# .pth naming the checkout): Hydra finds launcher plugins by walking the hydra_plugins namespace on sys.path, and the
+# default editable finder maps hydra_plugins.kdexp_launcher by name only, so Hydra's discovery would not see it.
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
 	@touch $@
 
 run: $(VENV)/.installed
