@@ -346,7 +346,8 @@ def check_plan(line, cwd, before, proc) -> None:
 def check_dry_run(line, cwd, before, proc) -> None:
     """--dry-run: one line per point of the product asked, each saying what it would do, and nothing written."""
     lines = proc.stdout.strip().splitlines()
-    swept = [value.split(",") for _, value in overrides(line) if "," in value]
+    pairs = [w.split("=", 1) for w in shlex.split(line) if "=" in w and not w.startswith("-")]
+    swept = [value.split(",") for _, value in pairs if "," in value]  # group=a,b as well as key=a,b
     n = len(list(itertools.product(*swept)))
     assert lines[0].startswith(f"[dry-run] {n} points, ") and len(lines) == n + 1, proc.stdout
     assert all(re.match(rf"#{i} .+: would (train|reuse|resume)", x) for i, x in enumerate(lines[1:])), proc.stdout
