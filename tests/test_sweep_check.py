@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from _launch import UNCHECKED_RUN, kdexp_run
 from kdexp.track import records
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,11 +28,6 @@ def fresh(tmp_path):
     return e, cwd
 
 
-def kdexp(args, env, cwd, *, timeout=900, entry=("-m", "kdexp.run")):
-    return subprocess.run([sys.executable, *entry, *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 def _nothing_written(env, cwd: Path) -> None:
     assert not list(cwd.iterdir()), list(cwd.rglob("*"))
     assert not Path(env["KDEXP_CACHE"]).exists(), list(Path(env["KDEXP_CACHE"]).rglob("*"))
@@ -42,7 +36,7 @@ def _nothing_written(env, cwd: Path) -> None:
 @pytest.mark.parametrize("launcher", ["basic", "local_cpu", "slurm_cpu", "slurm_gpu"])
 def test_one_bad_value_among_good_ones_refuses_the_sweep_before_anything_starts(fresh, launcher):
     env, cwd = fresh
-    r = kdexp(["-m", "experiment=smoke", "balancer.alpha=0.5,1.5,1.0", f"hydra/launcher={launcher}"], env, cwd)
+    r = kdexp_run(["-m", "experiment=smoke", "balancer.alpha=0.5,1.5,1.0", f"hydra/launcher={launcher}"], env, cwd, check=False)
     assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-4000:])
     assert r.stderr.splitlines() == [f"kdexp: error: {ALPHA_LINE} (sweep point #1 of 3: experiment=smoke "
                                      f"balancer.alpha=1.5; nothing was started)"]
@@ -53,7 +47,7 @@ def test_one_bad_value_among_good_ones_refuses_the_sweep_before_anything_starts(
 def test_each_combination_is_checked_against_the_cross_key_rules(fresh):
     """loss=dense and teacher=cached are each fine; together they are not (a cache holds only the top-K_max)."""
     env, cwd = fresh
-    r = kdexp(["-m", "loss=topk,dense", "teacher=cached", "balancer.alpha=0.5,1.0"], env, cwd)
+    r = kdexp_run(["-m", "loss=topk,dense", "teacher=cached", "balancer.alpha=0.5,1.0"], env, cwd, check=False)
     assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-4000:])
     (line,) = r.stderr.splitlines()
     assert line.startswith("kdexp: error: loss.top_k=None is invalid: must be set with teacher=cached"), line
@@ -64,7 +58,7 @@ def test_each_combination_is_checked_against_the_cross_key_rules(fresh):
 
 def test_dry_run_lists_every_point_in_hydras_order_and_runs_nothing(fresh):
     env, cwd = fresh
-    r = kdexp(["experiment=smoke", "--dry-run", "-m", "balancer.alpha=0.5,1.0", "loss=topk,top_p"], env, cwd)
+    r = kdexp_run(["experiment=smoke", "--dry-run", "-m", "balancer.alpha=0.5,1.0", "loss=topk,top_p"], env, cwd, check=False)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     lines = r.stdout.splitlines()
     assert lines[0] == "[dry-run] 4 points, hydra/launcher=basic; nothing was built, written or launched"
@@ -78,13 +72,13 @@ def test_an_experiment_presets_own_sweep_is_listed_and_checked(fresh):
     """experiment=ghost_vs_renorm sweeps through hydra.sweeper.params (9 arms x 5 seeds) with hydra.mode=MULTIRUN,
     no -m: a temperature the teacher cache does not hold refuses all 45 points before the first."""
     env, cwd = fresh
-    r = kdexp(["experiment=ghost_vs_renorm", "--dry-run"], env, cwd)
+    r = kdexp_run(["experiment=ghost_vs_renorm", "--dry-run"], env, cwd, check=False)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     lines = r.stdout.splitlines()
     assert lines[0].startswith("[dry-run] 45 points, hydra/launcher=basic;") and len(lines) == 46
     assert lines[1] == "#0 arm=k8_renorm trainer.seed=1 experiment=ghost_vs_renorm: would train"
     assert lines[45] == "#44 arm=topp_k128 trainer.seed=5 experiment=ghost_vs_renorm: would train"
-    bad = kdexp(["experiment=ghost_vs_renorm", "loss.temperature=2.0"], env, cwd)
+    bad = kdexp_run(["experiment=ghost_vs_renorm", "loss.temperature=2.0"], env, cwd, check=False)
     assert bad.returncode == 2, (bad.stdout[-2000:], bad.stderr[-4000:])
     (line,) = bad.stderr.splitlines()
     assert line.startswith("kdexp: error: loss.temperature=2.0 is invalid: must be one of the cached "
@@ -97,7 +91,7 @@ def test_what_depends_on_the_launchers_processes_is_checked_where_this_process_r
     """parallel.tensor=2 needs two processes: the basic launcher runs the points in this one process (refused);
     slurm_cpu gives each point two tasks (listed)."""
     env, cwd = fresh
-    here = kdexp(["--dry-run", "-m", "parallel.tensor=1,2"], env, cwd)
+    here = kdexp_run(["--dry-run", "-m", "parallel.tensor=1,2"], env, cwd, check=False)
     assert here.returncode == 2, (here.stdout[-2000:], here.stderr[-4000:])
     assert here.stdout.splitlines()[1:] == [
         "#0 parallel.tensor=1: would train",
@@ -105,7 +99,7 @@ def test_what_depends_on_the_launchers_processes_is_checked_where_this_process_r
         "and this is one process: launch with `torchrun --nproc-per-node 2 -m kdexp.run ...`, as 2 SLURM tasks (`srun "
         "--ntasks 2 python -m kdexp.run ...`), or with hydra/launcher=slurm_gpu hydra.launcher.tasks_per_node=2",
         "[dry-run] 1 of 2 refused: the sweep would not start (exit 2)"]
-    slurm = kdexp(["--dry-run", "-m", "parallel.tensor=1,2", "hydra/launcher=slurm_cpu"], env, cwd)
+    slurm = kdexp_run(["--dry-run", "-m", "parallel.tensor=1,2", "hydra/launcher=slurm_cpu"], env, cwd, check=False)
     assert slurm.returncode == 0, (slurm.stdout[-2000:], slurm.stderr[-4000:])
     assert slurm.stdout.splitlines()[0] == "[dry-run] 2 points, hydra/launcher=slurm_cpu; nothing was built, " \
                                            "written or launched"
@@ -121,10 +115,10 @@ def test_a_point_its_setup_refuses_is_the_single_runs_one_line_and_dry_run_marks
     the end lines name it. A dry run of the same sweep afterwards says #0 would be reused."""
     env, cwd = fresh
     sweep_dir = cwd / "sweep"
-    r = kdexp([*TOP_P, "-m", "loss.top_p=0.8,0.95", f"hydra.sweep.dir={sweep_dir}"], env, cwd)
+    r = kdexp_run([*TOP_P, "-m", "loss.top_p=0.8,0.95", f"hydra.sweep.dir={sweep_dir}"], env, cwd, check=False)
     assert r.returncode == 1, (r.stdout[-3000:], r.stderr[-4000:])
     assert "Traceback" not in r.stdout + r.stderr
-    single = kdexp([*TOP_P, "loss.top_p=0.95", f"hydra.run.dir={cwd / 'single'}"], env, cwd)
+    single = kdexp_run([*TOP_P, "loss.top_p=0.95", f"hydra.run.dir={cwd / 'single'}"], env, cwd, check=False)
     assert single.returncode == 2, (single.stdout[-3000:], single.stderr[-4000:])
     line = single.stderr.splitlines()[-1]
     assert line.startswith("kdexp: error: loss.top_p=0.95 does not fit in the teacher cache's top-1024"), line
@@ -135,7 +129,7 @@ def test_a_point_its_setup_refuses_is_the_single_runs_one_line_and_dry_run_marks
     sweep = records.read_json(sweep_dir / records.SWEEP)
     assert [(p["status"], p["error"]) for p in sweep["points"]] == [("finished", None), ("failed", reason)]
 
-    dry = kdexp([*TOP_P, "--dry-run", "-m", "loss.top_p=0.8,0.95"], env, cwd)
+    dry = kdexp_run([*TOP_P, "--dry-run", "-m", "loss.top_p=0.8,0.95"], env, cwd, check=False)
     assert dry.returncode == 0, (dry.stdout[-2000:], dry.stderr[-4000:])
     assert dry.stdout.splitlines()[1:] == [
         f"#0 {' '.join(TOP_P)} loss.top_p=0.8: would reuse sweep/0 (finished)",  # relative to the cwd
@@ -147,13 +141,16 @@ def test_a_point_the_jobs_own_validation_refuses_is_one_line_too(fresh):
     for one): the job's own validation refuses the point with the single run's line, and the sweep goes on."""
     env, cwd = fresh
     sweep_dir = cwd / "sweep"
-    r = kdexp(["-m", "trainer.seed=-1,-2", f"hydra.sweep.dir={sweep_dir}"], env, cwd,
-              entry=(str(REPO / "tests" / "_unchecked_run.py"),))
+    r = kdexp_run(["-m", "trainer.seed=-1,-2", f"hydra.sweep.dir={sweep_dir}"], env, cwd, check=False,
+                  entry=UNCHECKED_RUN)
     assert r.returncode == 1, (r.stdout[-3000:], r.stderr[-4000:])
     assert "Traceback" not in r.stdout + r.stderr
     sweep = records.read_json(sweep_dir / records.SWEEP)
-    for p, seed in zip(sweep["points"], (-1, -2)):
+    assert sweep["points"] == []  # refused before they claimed a run dir: named in sweep.json, nothing on disk
+    refused = sorted(sweep["refused"], key=lambda x: x["num"])
+    for p, seed in zip(refused, (-1, -2), strict=True):
         reason = f"trainer.seed={seed} is invalid: must be an integer in [0, 4294967295]"
-        assert (p["status"], p["error"]) == ("failed", reason)
+        assert p["error"] == reason and f"trainer.seed={seed}" in p["overrides"]
         assert f"kdexp: error: {reason}" in r.stderr.splitlines()
+    assert not (sweep_dir / "0").exists() and not (sweep_dir / "1").exists()
     assert not Path(env["KDEXP_CACHE"], "teacher").exists()  # refused before any work
