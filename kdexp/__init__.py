@@ -6,6 +6,7 @@ package, as the house plan lays it out. The wheel ships them inside the package 
 checkout's root joins this package's search path: ``kdexp.conf`` is then ``<root>/conf`` of the same checkout (never
 the conf of another install), and editable, source and installed runs import the same two subpackages.
 """
+import importlib as _importlib
 import os as _os
 import warnings as _warnings
 from pathlib import Path as _Path
@@ -29,3 +30,18 @@ def cache_dir() -> _Path:
     ``$KDEXP_CACHE`` if set, else ``~/.cache/kdexp``."""
     root = _os.environ.get("KDEXP_CACHE") or _os.path.join("~", ".cache", "kdexp")
     return _Path(root).expanduser().resolve()
+
+
+def lazy_exports(package: str, exports: dict):
+    """(__getattr__, __dir__) for a package whose names load on first use (PEP 562): ``exports`` maps each name to the
+    submodule that defines it. kdexp.losses uses it so that kdexp.config imports the torch-free options without torch,
+    kdexp.report so that the sweep callback Hydra makes in every run imports no matplotlib."""
+    def __getattr__(name: str):
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(_importlib.import_module(f"{package}.{exports[name]}"), name)
+
+    def __dir__():
+        return sorted(set(vars(_importlib.import_module(package))) | set(exports))
+
+    return __getattr__, __dir__

@@ -30,7 +30,7 @@ call the same functions:
 
 from __future__ import annotations
 
-import importlib
+from kdexp import lazy_exports
 
 # name -> module. Loaded on first use (PEP 562), so that kdexp.config can import the torch-free option classes
 # without importing torch: a config error or `--cfg job` stays quick.
@@ -51,11 +51,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'kdexp.losses' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"kdexp.losses.{_EXPORTS[name]}"), name)
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

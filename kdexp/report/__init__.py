@@ -8,7 +8,7 @@ names).
 """
 from __future__ import annotations
 
-import importlib
+from kdexp import lazy_exports
 
 # name -> module. Loaded on first use (PEP 562): Hydra instantiates the sweep callback (kdexp.report.callback) in
 # every run, and that must not import matplotlib and the tables before a report is drawn.
@@ -35,11 +35,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'kdexp.report' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"kdexp.report.{_EXPORTS[name]}"), name)
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
