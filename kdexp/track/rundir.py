@@ -91,7 +91,10 @@ def agree_on_stamp() -> None:
         store.set(_STAMP_KEY, _stamp())
     _stamp_value = store.get(_STAMP_KEY).decode()
     if rank != 0:
-        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+        # no run.log handler either: conf/config.yaml names run.log's handler class (kdexp.track.claim.RunLog), which
+        # would otherwise stay on the disabled config as a handler without a file
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "~hydra.job_logging.handlers",
+                     "hydra/hydra_logging=disabled"]
 
 
 class PointIndex:
