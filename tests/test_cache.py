@@ -22,6 +22,7 @@ import pytest
 
 from kdexp.data import cache
 from kdexp.distributed.testing import free_port
+from kdexp.track.cost import ONE_TIME_RECORD
 from _cache_worker import digests, prepare_and_teacher, tiny_cfg
 
 WORKER = str(Path(__file__).with_name("_cache_worker.py"))
@@ -111,6 +112,11 @@ def dist_cpu():
     distributed.destroy()
 
 
+# What a build cost (build.json: its wall time) differs between two builds of the same weights, and so does the
+# manifest that seals it; every other file of a rebuild is compared byte for byte.
+UNREPEATABLE = (cache.MANIFEST, ONE_TIME_RECORD)
+
+
 @pytest.fixture(scope="module")
 def cold(tmp_path_factory, dist_cpu):
     """One cold build of tokenizer, token shards and teacher; each case corrupts its own copy of it."""
@@ -118,7 +124,7 @@ def cold(tmp_path_factory, dist_cpu):
     data, teacher_dir = prepare_and_teacher(tiny_cfg(root))
     dirs = {"tokenizer": Path(data.info["tokenizer"]), "tokens": Path(data.info["tokens"]), "teacher": teacher_dir}
     files = {f"{kind}/{p.relative_to(d)}": _sha(p) for kind, d in dirs.items() for p in d.rglob("*")
-             if p.is_file() and p.name != cache.MANIFEST}
+             if p.is_file() and p.name not in UNREPEATABLE}
     return root, dirs, files
 
 
@@ -153,7 +159,8 @@ def test_corrupt_artefact_is_named_and_rebuilt_identically(cold, tmp_path, caplo
     again = {"tokenizer": Path(data.info["tokenizer"]), "tokens": Path(data.info["tokens"]), "teacher": teacher_dir}
     assert {k: d.relative_to(mine) for k, d in again.items()} == {k: d.relative_to(root) for k, d in dirs.items()}
     rebuilt = {f"{k}/{p.relative_to(d)}": _sha(p) for k, d in again.items() for p in d.rglob("*")
-               if p.is_file() and p.name != cache.MANIFEST}
+               if p.is_file() and p.name not in UNREPEATABLE}
+    assert (teacher_dir / ONE_TIME_RECORD).is_file()  # what this build cost, beside what it built
     assert rebuilt == files  # deterministic builds: the rebuilt artefact is byte-identical to the original
     assert all(cache.verify(d) is None for d in again.values())
 
