@@ -49,14 +49,17 @@ def prepare_and_teacher(cfg):
 
 
 def digests(*dirs: Path) -> dict:
-    """sha256 of every file of the given artefact directories (their manifests say it, and verify says they match)."""
+    """sha256 of every file of the given artefact directories (their manifests say it, and verify says they match),
+    but the record of what a build cost (build.json: its wall time differs between two builds of the same bytes)."""
     from kdexp.data import cache
+    from kdexp.track.cost import ONE_TIME_RECORD
 
     out = {}
     for d in dirs:
         assert cache.verify(d) is None, cache.verify(d)
         manifest = json.loads((d / cache.MANIFEST).read_text())
-        out.update({f"{d.parent.name}/{name}": v["sha256"] for name, v in manifest["files"].items()})
+        out.update({f"{d.parent.name}/{name}": v["sha256"] for name, v in manifest["files"].items()
+                    if name != ONE_TIME_RECORD})
     return out
 
 
