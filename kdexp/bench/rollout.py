@@ -11,12 +11,13 @@ The last stdout line is one JSON object.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
 import torch
+
+from kdexp.bench import parser
 
 
 def run(*, size: str = "tiny-student", vocab: int = 0, batch: int = 8, prompt_tokens: int = 64,
@@ -54,19 +55,19 @@ def run(*, size: str = "tiny-student", vocab: int = 0, batch: int = 8, prompt_to
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--size", default="tiny-student", help="a kdexp.models.QWEN3_SIZES shape")
+    ap = parser(__spec__.name, __doc__.splitlines()[0])
+    ap.add_argument("--size", default="tiny-student", help="the student's shape: a Qwen3 size or tiny-student / "
+                    "tiny-teacher")
     ap.add_argument("--vocab", type=int, default=0, help="vocabulary size; 0: the shipped tokenizer's")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--attention", default="sdpa", choices=("sdpa", "megatron"))
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=8, help="sequences generated together")
+    ap.add_argument("--prompt-tokens", type=int, default=64, help="prompt length")
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sequence")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    ap.add_argument("--top-p", type=float, default=1.0, help="nucleus of the sampler (1.0: the whole vocabulary)")
+    ap.add_argument("--attention", default="sdpa", choices=("sdpa", "megatron"), help="the model's attention")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the model's weights")
+    ap.add_argument("--repeats", type=int, default=1, help="timed rounds of each path (the median is reported)")
+    ap.add_argument("--seed", type=int, default=1, help="the model's init and the samples' seed")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads; 0 keeps torch's default (on a shared CPU, more threads than free "
                          "cores make every small op wait)")
