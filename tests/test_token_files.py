@@ -74,7 +74,8 @@ def test_a_corpus_beyond_the_models_vocabulary_is_refused(corpora, tmp_path):
     ids up to the 2,000s."""
     teacher, student = _checkpoint(tmp_path / "t", 1024), _checkpoint(tmp_path / "s", 1024)
     cfg = _cfg("data=indexed", f"data.prefixes=[{corpora}/shipped]", f"data.tokenizer={assets.SHIPPED_TEACHER}",
-               "model.teacher=tiny-teacher", f"model.teacher_path={teacher}", f"model.student_path={student}")
+               "model.teacher=null", "model.student=null", f"model.teacher_path={teacher}",
+               f"model.student_path={student}")
     biggest = tokens.read(corpora / "shipped")["max_token_id"]
     assert biggest >= 1024
     with pytest.raises(ValueError) as err:

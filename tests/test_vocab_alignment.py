@@ -114,7 +114,7 @@ def _cfg(*overrides):
 
 def test_config_accepts_padding_only_and_names_the_fix(ckpts):
     both = (f"model.teacher_path={ckpts['padded']}", f"model.student_path={ckpts['student']}",
-            "model.teacher=0.6b", "model.student=0.6b", "trainer.seq_length=64")
+            "model.teacher=null", "model.student=null", "trainer.seq_length=64")
     with pytest.raises(ValueError, match=r"vocabulary \(320\) and model.student vocabulary \(288\) differ: .*"
                                          r"set model.vocab_alignment=tokenizer"):
         validate(_cfg(*both))
@@ -122,7 +122,7 @@ def test_config_accepts_padding_only_and_names_the_fix(ckpts):
     with pytest.raises(ValueError, match=r"tokenizer has 256 ids but model.teacher has 320 vocabulary rows and "
                                          r"model.student 200"):
         validate(_cfg(f"model.teacher_path={ckpts['padded']}", f"model.student_path={ckpts['short']}",
-                      "model.teacher=0.6b", "model.student=0.6b", "trainer.seq_length=64",
+                      "model.teacher=null", "model.student=null", "trainer.seq_length=64",
                       "model.vocab_alignment=tokenizer"))
     with pytest.raises(ValueError, match="model.vocab_alignment='tokens' is invalid"):
         validate(_cfg(*both, "model.vocab_alignment=tokens"))
@@ -132,8 +132,8 @@ def test_config_accepts_padding_only_and_names_the_fix(ckpts):
 def test_a_run_distils_between_padded_checkpoints(ckpts, env, tmp_path):
     import json
 
-    args = [f"model.teacher_path={ckpts['padded']}", f"model.student_path={ckpts['student']}", "model.teacher=0.6b",
-            "model.student=0.6b", "teacher.k_max=256", "loss.top_k=64", "logger=none", "data.max_chars=100000",
+    args = [f"model.teacher_path={ckpts['padded']}", f"model.student_path={ckpts['student']}", "model.teacher=null",
+            "model.student=null", "teacher.k_max=256", "loss.top_k=64", "logger=none", "data.max_chars=100000",
             "trainer.max_steps=2", "trainer.warmup_steps=1", "trainer.micro_batch_size=2", "trainer.seq_length=32",
             "trainer.eval_interval=2", "trainer.eval_iters=1", "trainer.checkpoint_interval=2", f"hydra.run.dir={tmp_path / 'run'}"]
     refused = kdexp_run(args, env, tmp_path, check=False, timeout=600)
