@@ -19,22 +19,14 @@ from pathlib import Path
 
 import pytest
 
+from _launch import kdexp_popen, kdexp_run
 from kdexp.report.rundirs import load_point, load_sweep
 
 pytestmark = pytest.mark.slow
 
 # seconds a run: the shipped teacher (no pretraining), no W&B
 SMOKE = ["experiment=smoke", "model.embedded_teacher=shipped", "logger=none"]
-
-
-def kdexp_run(args, env, cwd, *, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kdexp.run", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def start(args, env, cwd) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kdexp.run", *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+PIPED = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}  # a live run's output, read as text
 
 
 
@@ -72,16 +64,16 @@ def alive(pid: int) -> bool:
 
 def test_a_refused_run_leaves_nothing_on_disk_and_changes_no_byte_of_a_dir_it_was_refused(env, tmp_path):
     new = tmp_path / "outputs" / "day" / "run"
-    bad = kdexp_run([*SMOKE, "balancer.alpha=1.5", f"hydra.run.dir={new}"], env, tmp_path)
+    bad = kdexp_run([*SMOKE, "balancer.alpha=1.5", f"hydra.run.dir={new}"], env, tmp_path, check=False, timeout=600)
     assert bad.returncode == 2 and bad.stderr.splitlines() == [
         "kdexp: error: balancer.alpha=1.5 is invalid: must be a number in [0, 1]"]
     assert not (tmp_path / "outputs").exists()  # no run dir, no error.log, not even the dirs made for it
 
     run_dir = tmp_path / "run"
     base = [*SMOKE, "trainer.max_steps=2", f"hydra.run.dir={run_dir}"]
-    assert kdexp_run([*base, "balancer.alpha=0.5"], env, tmp_path).returncode == 0
+    assert kdexp_run([*base, "balancer.alpha=0.5"], env, tmp_path, check=False, timeout=600).returncode == 0
     before = tree(run_dir)
-    refused = kdexp_run([*base, "balancer.alpha=0.9"], env, tmp_path)
+    refused = kdexp_run([*base, "balancer.alpha=0.9"], env, tmp_path, check=False, timeout=600)
     assert refused.returncode == 2
     [line] = refused.stderr.splitlines()
     assert line.startswith(f"kdexp: error: {run_dir} holds the run of another config")
@@ -94,10 +86,10 @@ def test_a_refused_run_leaves_nothing_on_disk_and_changes_no_byte_of_a_dir_it_wa
 def test_a_finished_sweep_rerun_with_its_values_swapped_is_refused_byte_for_byte(env, tmp_path):
     sweep = tmp_path / "sweep"
     args = ["-m", *SMOKE, f"hydra.sweep.dir={sweep}"]
-    first = kdexp_run([*args, "trainer.max_steps=2,3"], env, tmp_path)
+    first = kdexp_run([*args, "trainer.max_steps=2,3"], env, tmp_path, check=False, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     before = {n: tree(sweep / n) for n in ("0", "1")}
-    second = kdexp_run([*args, "trainer.max_steps=3,2"], env, tmp_path)
+    second = kdexp_run([*args, "trainer.max_steps=3,2"], env, tmp_path, check=False, timeout=600)
     assert second.returncode == 1
     assert "Traceback" not in second.stdout + second.stderr
     assert {n: tree(sweep / n) for n in ("0", "1")} == before  # no byte of either point changed
@@ -121,12 +113,12 @@ def test_two_runs_into_one_run_dir_the_second_is_refused_naming_the_first(env, t
     run_dir = tmp_path / "run"
     args = [*SMOKE, "trainer.max_steps=8", "trainer.checkpoint_interval=4", "trainer.eval_interval=4",
             f"hydra.run.dir={run_dir}"]
-    first = start(args, env, tmp_path)
+    first = kdexp_popen(args, env, tmp_path, **PIPED)
     try:
         wait_for(lambda: (run_dir / "metrics.jsonl").is_file())  # the first run trains
         first.send_signal(signal.SIGSTOP)  # and holds the dir, however fast it trains
         try:
-            second = kdexp_run(args, env, tmp_path)
+            second = kdexp_run(args, env, tmp_path, check=False, timeout=600)
         finally:
             first.send_signal(signal.SIGCONT)
         out, _ = first.communicate(timeout=600)
@@ -141,7 +133,8 @@ def test_two_runs_into_one_run_dir_the_second_is_refused_naming_the_first(env, t
     assert steps(run_dir, "train") == list(range(1, 9)) and steps(run_dir, "val") == [4, 8]  # each step once
     assert summary(run_dir)["status"] == "finished" and summary(run_dir)["steps"] == 8
     before = tree(run_dir)
-    after = kdexp_run(args, env, tmp_path)  # the first run ended: its lock went with it, and it is finished
+    # the first run ended: its lock went with it, and it is finished
+    after = kdexp_run(args, env, tmp_path, check=False, timeout=600)
     assert after.returncode == 0 and "already finished" in after.stdout + after.stderr
     assert {k: v for k, v in tree(run_dir).items() if k not in ("run.log", ".kdexp.lock")} == \
         {k: v for k, v in before.items() if k not in ("run.log", ".kdexp.lock")}
@@ -153,8 +146,7 @@ def test_a_killed_sweep_driver_rerun_at_once_never_trains_a_point_twice(env, tmp
             "trainer.checkpoint_interval=5", "balancer.alpha=0.5", f"hydra.sweep.dir={sweep}"]
     point = sweep / "0"
     with open(tmp_path / "driver.log", "w") as log:  # submitit's job controller outlives the driver: not a pipe
-        driver = subprocess.Popen([sys.executable, "-m", "kdexp.run", *args], cwd=tmp_path, env=env, stdout=log,
-                                  stderr=subprocess.STDOUT)
+        driver = kdexp_popen(args, env, tmp_path, stdout=log, stderr=subprocess.STDOUT)
     worker = None
     try:
         wait_for(lambda: (point / "metrics.jsonl").is_file())
@@ -165,7 +157,7 @@ def test_a_killed_sweep_driver_rerun_at_once_never_trains_a_point_twice(env, tmp
         driver.wait()
     try:
         assert alive(worker)
-        rerun = kdexp_run(args, env, tmp_path)
+        rerun = kdexp_run(args, env, tmp_path, check=False, timeout=600)
     finally:
         os.kill(worker, signal.SIGCONT)  # the orphan trains on
     assert rerun.returncode == 1
@@ -175,7 +167,8 @@ def test_a_killed_sweep_driver_rerun_at_once_never_trains_a_point_twice(env, tmp
     assert steps(point, "train") == list(range(1, 11)) and steps(point, "val") == [5, 10]  # each step once
     assert summary(point)["status"] == "finished"
     assert json.loads((point / "point.json").read_text())["status"] == "finished"
-    again = kdexp_run(args, env, tmp_path)  # now the point is finished: counted, not retrained
+    # now the point is finished: counted, not retrained
+    again = kdexp_run(args, env, tmp_path, check=False, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:]
     assert steps(point, "train") == list(range(1, 11))
     recorded = json.loads((sweep / "sweep.json").read_text())
@@ -198,7 +191,7 @@ def test_a_resume_over_a_cut_metrics_file_says_so_and_logs_every_step_once(env, 
                             text=True, timeout=600)
     assert killed.returncode == -9 and (run_dir / "checkpoints" / "latest").read_text().strip() == "4"
     cut(run_dir / "metrics.jsonl", lambda step: step <= 1)  # the record lost steps 2-5; the weights are at step 4
-    rerun = kdexp_run(args, env, tmp_path)
+    rerun = kdexp_run(args, env, tmp_path, check=False, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     [told] = [x for x in (rerun.stdout + rerun.stderr).splitlines() if "not resuming from checkpoint step 4" in x]
     assert told.endswith(f"of {run_dir}: its metrics.jsonl lacks the train lines of steps 2-4 and the val lines of "
@@ -210,9 +203,9 @@ def test_a_resume_over_a_cut_metrics_file_says_so_and_logs_every_step_once(env, 
 def test_a_finished_point_with_a_hole_in_its_record_is_neither_reused_nor_resumed(env, tmp_path):
     args = ["-m", *SMOKE, "trainer.max_steps=4", "balancer.alpha=0.3"]
     first, second = tmp_path / "first", tmp_path / "second"
-    assert kdexp_run([*args, f"hydra.sweep.dir={first}"], env, tmp_path).returncode == 0
+    assert kdexp_run([*args, f"hydra.sweep.dir={first}"], env, tmp_path, check=False, timeout=600).returncode == 0
     cut(first / "0" / "metrics.jsonl", lambda step: step != 2)  # a hole, its last line still there
-    rerun = kdexp_run([*args, f"hydra.sweep.dir={second}"], env, tmp_path)
+    rerun = kdexp_run([*args, f"hydra.sweep.dir={second}"], env, tmp_path, check=False, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     said = rerun.stdout + rerun.stderr
     assert f"not reusing {(first / '0').resolve()}: its metrics.jsonl lacks the train lines of steps 2" in said
@@ -232,7 +225,7 @@ def test_a_point_resumed_from_another_run_says_so_and_costs_only_what_it_trained
     killed = subprocess.run([sys.executable, FAULT_RUN, "5", *args, f"hydra.sweep.dir={first}"], cwd=tmp_path,
                             env=env, capture_output=True, text=True, timeout=600)
     assert killed.returncode == -9
-    rerun = kdexp_run([*args, f"hydra.sweep.dir={second}"], env, tmp_path)
+    rerun = kdexp_run([*args, f"hydra.sweep.dir={second}"], env, tmp_path, check=False, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     done = summary(second / "0")
     assert done["status"] == "finished" and done["reused_from"] is None
@@ -246,11 +239,11 @@ def test_a_point_resumed_from_another_run_says_so_and_costs_only_what_it_trained
 def test_a_point_whose_config_trains_in_another_live_sweep_waits_and_is_reused(env, tmp_path):
     args = ["-m", *SMOKE, "trainer.max_steps=4", "balancer.alpha=0.6"]
     first, second = tmp_path / "first", tmp_path / "second"
-    a = start([*args, f"hydra.sweep.dir={first}"], env, tmp_path)
+    a = kdexp_popen([*args, f"hydra.sweep.dir={first}"], env, tmp_path, **PIPED)
     try:
         wait_for(lambda: (first / "0" / "metrics.jsonl").is_file())
         a.send_signal(signal.SIGSTOP)  # the first sweep holds its point, mid-training
-        b = start([*args, f"hydra.sweep.dir={second}"], env, tmp_path)
+        b = kdexp_popen([*args, f"hydra.sweep.dir={second}"], env, tmp_path, **PIPED)
         try:
             seen = []
             for line in b.stdout:
@@ -281,8 +274,7 @@ def test_a_killed_sweep_with_a_pending_point_ends_interrupted_and_its_rerun_trai
             "trainer.checkpoint_interval=5", "trainer.eval_interval=10", "balancer.alpha=0.2,0.4",
             f"hydra.sweep.dir={sweep}"]
     with open(tmp_path / "driver.log", "w") as log:
-        driver = subprocess.Popen([sys.executable, "-m", "kdexp.run", *args], cwd=tmp_path, env=env, stdout=log,
-                                  stderr=subprocess.STDOUT)
+        driver = kdexp_popen(args, env, tmp_path, stdout=log, stderr=subprocess.STDOUT)
     workers = []
     try:
         def recorded():  # one point trains, the other waits for the one local slot
@@ -302,7 +294,7 @@ def test_a_killed_sweep_with_a_pending_point_ends_interrupted_and_its_rerun_trai
     assert sorted(p.status for p in load_sweep(sweep).points) == ["interrupted", "interrupted"]
     files = watch(sweep, interval=0.01, max_polls=3, echo=lambda line: None)
     assert files is not None and not files.live  # report --watch ends on its first look
-    rerun = kdexp_run(args, env, tmp_path)
+    rerun = kdexp_run(args, env, tmp_path, check=False, timeout=600)
     assert rerun.returncode == 0, rerun.stdout[-3000:]
     for n in ("0", "1"):
         assert steps(sweep / n, "train") == list(range(1, 21)) and steps(sweep / n, "val") == [10, 20]
@@ -316,8 +308,7 @@ def test_a_dead_worker_ends_its_sweep_with_the_end_lines_not_a_traceback(env, tm
             "trainer.eval_interval=12", "trainer.checkpoint_interval=12", "balancer.alpha=0.25,0.35",
             f"hydra.sweep.dir={sweep}"]
     with open(tmp_path / "driver.log", "w") as log:
-        driver = subprocess.Popen([sys.executable, "-m", "kdexp.run", *args], cwd=tmp_path, env=env, stdout=log,
-                                  stderr=subprocess.STDOUT)
+        driver = kdexp_popen(args, env, tmp_path, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_for(lambda: (sweep / "0" / "metrics.jsonl").is_file() or driver.poll() is not None)
         assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
