@@ -142,9 +142,8 @@ def _single_run_failed(code: int, line: str) -> None:
 
 def _tell_torchrun(line: str) -> None:
     """Under torchrun, the line into this rank's elastic error file (TORCHELASTIC_ERROR_FILE, the JSON torch's own
-    @record writes), so that torchrun's failure summary names kdexp's line as the root cause instead of "<N/A>".
-    torchrun itself still ends with its ChildFailedError traceback and exit status 1 whatever the ranks' status (2
-    here): docs/running.md says so, and how to check a config before launching."""
+    @record writes), so that torchrun's failure summary names kdexp's line as the root cause instead of "<N/A>", and
+    `python -m kdexp.launchers torchrun` can say it when the rank that refused first is not global rank 0."""
     import json
     import os
     import time

@@ -3,6 +3,8 @@
     python -m kdexp.launchers start-slurm     # = bash launchers/start_slurm.sh (one-node SLURM cluster)
     python -m kdexp.launchers stop-slurm
     python -m kdexp.launchers site            # which site dir is in use and where site/local.yaml goes
+    python -m kdexp.launchers torchrun --nproc-per-node 2 -m kdexp.run ...
+                                              # torchrun passing the workers' status on (launchers/torchrun.py)
 """
 from __future__ import annotations
 
@@ -17,6 +19,9 @@ SCRIPTS = {"start-slurm": "start_slurm.sh", "stop-slurm": "stop_slurm.sh"}
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["torchrun"]:
+        from kdexp.launchers.torchrun import main as torchrun
+        return torchrun(argv[1:])
     if len(argv) == 1 and argv[0] in SCRIPTS:
         return subprocess.call(["bash", str(HERE / SCRIPTS[argv[0]])])
     if argv == ["site"]:

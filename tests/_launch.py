@@ -36,11 +36,15 @@ def run_env(cache, **extra: str) -> dict:
     return e
 
 
-def command(args: Sequence[str], *, torchrun: int = 0, kill_at: int = 0, entry: Optional[str] = None,
-            entry_args: Sequence[str] = (), code: Optional[str] = None) -> list[str]:
+LAUNCHERS = {"torchrun": ["-m", "torch.distributed.run"],  # what `torchrun` runs
+             "kdexp": ["-m", "kdexp.launchers", "torchrun"]}  # kdexp's torchrun that passes the ranks' status on
+
+
+def command(args: Sequence[str], *, torchrun: int = 0, launcher: str = "torchrun", kill_at: int = 0,
+            entry: Optional[str] = None, entry_args: Sequence[str] = (), code: Optional[str] = None) -> list[str]:
     """The argv of one launch. ``entry``: a module (run with -m, default kdexp.run) or a .py file; ``kill_at``: the
     FAULT_RUN entry with that step; ``code``: ``python -c code ARGS`` (a test's patch, then kdexp.run.cli());
-    ``torchrun``: that many local ranks under torch.distributed.run on a free port."""
+    ``torchrun``: that many local ranks under ``launcher`` (a LAUNCHERS key) on a free port."""
     if kill_at:
         entry, entry_args = FAULT_RUN, [str(kill_at), *entry_args]
     if code is not None:
@@ -51,7 +55,7 @@ def command(args: Sequence[str], *, torchrun: int = 0, kill_at: int = 0, entry: 
     if torchrun:
         if code is not None:
             raise ValueError("torchrun runs a module or a script, not -c code")
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun), "--master-addr",
+        return [sys.executable, *LAUNCHERS[launcher], "--nproc-per-node", str(torchrun), "--master-addr",
                 "127.0.0.1", "--master-port", str(free_port()), *target, *entry_args, *args]
     return [sys.executable, *target, *entry_args, *args]
 

@@ -1,36 +1,59 @@
-"""A user error under a real 2-process torchrun (gloo, CPU): every rank exits 2 before building anything, kdexp's one
-line is printed once (rank 0), and torchrun's failure summary names that line as each rank's root cause (through
-the rank's TORCHELASTIC_ERROR_FILE) with exit code 2. torchrun itself ends with its own ChildFailedError traceback
-and status 1 whatever its workers' status: that part is torchrun's (docs/running.md says so and how to check a config
-first); srun and the SLURM launchers pass the ranks' status 2 on."""
+"""A failed launch under a real 2-process torchrun (gloo, CPU).
+
+kdexp's own launcher (``python -m kdexp.launchers torchrun``, torchrun's arguments): a user error is the workers' one
+line and exit 2, as a single process; another failure is torchrun's summary without the launcher's traceback and the
+root cause's status. Plain torchrun: its summary names kdexp's line as the root cause (each rank writes it into its
+TORCHELASTIC_ERROR_FILE), then torchrun's own traceback and status 1 (docs/running.md says so)."""
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+from _launch import LAUNCHERS
+from kdexp.distributed.testing import free_port
 
 pytestmark = pytest.mark.slow
 
 LINE = "kdexp: error: trainer.lr=-1.0 is invalid: must be a finite number > 0"
 
 
-def test_a_bad_value_under_torchrun_is_one_line_and_exit_2_on_every_rank(env, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-addr",
-                        "127.0.0.1", "--master-port", str(port), "-m", "kdexp.run", "trainer.lr=-1",
-                        f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                       timeout=300)
-    out = r.stdout + r.stderr
-    assert [x for x in out.splitlines() if x.startswith("kdexp:")] == [LINE]  # once: rank 0 speaks
-    # torchrun's summary: both ranks exited 2; the root cause is kdexp's line (no Python traceback of ours)
-    assert re.findall(r"exitcode\s*:\s*(\d+)", out) == ["2", "2"]
+def _launch(tmp_path, env, launcher: list[str], target: list[str]) -> tuple[int, str]:
+    """Runs the launch; for kdexp.run, asserts it wrote nothing: no run dir, nothing new in the cache."""
+    cache = sorted(Path(env["KDEXP_CACHE"]).rglob("*"))
+    r = subprocess.run([sys.executable, *launcher, "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                        "--master-port", str(free_port()), *target], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert not (tmp_path / "run").exists() and sorted(Path(env["KDEXP_CACHE"]).rglob("*")) == cache
+    return r.returncode, r.stdout + r.stderr
+
+
+def test_kdexp_torchrun_ends_a_user_error_as_one_process_does(env, tmp_path):
+    rc, out = _launch(tmp_path, env, LAUNCHERS["kdexp"],
+                      ["-m", "kdexp.run", "trainer.lr=-1", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert rc == 2, out
+    # once, whichever rank refused first (torchrun stops the other: rank 0 may not live to say it)
+    assert [x for x in out.splitlines() if x.startswith("kdexp:")] == [LINE]
+    assert "Traceback (most recent call last)" not in out and "FAILED" not in out and "exitcode" not in out, out
+
+
+def test_kdexp_torchrun_reports_another_failure_without_its_traceback(env, tmp_path):
+    script = tmp_path / "fails.py"
+    script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    rc, out = _launch(tmp_path, env, LAUNCHERS["kdexp"], [str(script)])
+    assert rc == 3, out
     root = out.split("Root Cause")[-1]
-    assert f"traceback : {LINE}" in root and "kdexp/" not in out.split("ChildFailedError")[0]
-    assert r.returncode == 1  # torchrun's own status for any failed worker (documented)
-    cache = tmp_path / "cache"
-    assert not (tmp_path / "run" / "checkpoints").exists() and not (cache.exists() and any(cache.iterdir()))
+    assert re.search(r"rank\s*:\s*1 ", root) and re.search(r"exitcode\s*:\s*3 ", root), out
+    assert "Traceback (most recent call last)" not in out and "ChildFailedError" not in out, out
+
+
+def test_plain_torchrun_names_kdexps_line_as_the_root_cause(env, tmp_path):
+    rc, out = _launch(tmp_path, env, LAUNCHERS["torchrun"],
+                      ["-m", "kdexp.run", "trainer.lr=-1", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert rc == 1  # torchrun's own status for any failed worker (documented)
+    root = out.split("Root Cause")[-1]
+    assert re.search(r"exitcode\s*:\s*2 ", root) and f"traceback : {LINE}" in root, out
+    assert "kdexp/" not in out.split("ChildFailedError")[0]  # no Python traceback of kdexp's

@@ -115,19 +115,20 @@ def test_sigterm_mid_step_checkpoints_that_step_and_the_printed_command_resumes_
     assert [comparable(x) for x in metrics(run_dir, "train")] == [comparable(x) for x in metrics(reference, "train")]
 
 
-TP2 = {"whole logits": ("loss.fused_head=false",), "fused head": ("loss.fused_head=true",),
-       "fused head, SP": ("loss.fused_head=true", "parallel.sequence=true")}
+# (overrides, launcher): one launch through kdexp's torchrun (docs/running.md), the same torchrun for a good run
+TP2 = {"whole logits": (("loss.fused_head=false",), "torchrun"), "fused head": (("loss.fused_head=true",), "torchrun"),
+       "fused head, SP": (("loss.fused_head=true", "parallel.sequence=true"), "kdexp")}
 
 
-@pytest.mark.parametrize("overrides", TP2.values(), ids=TP2.keys())
-def test_torchrun_tensor_parallel_2_matches_tp1(smoke_run, env, tmp_path, overrides):
+@pytest.mark.parametrize("overrides, launcher", TP2.values(), ids=TP2.keys())
+def test_torchrun_tensor_parallel_2_matches_tp1(smoke_run, env, tmp_path, overrides, launcher):
     """TP 2 (whole logits, the fused head, the fused head under sequence parallelism) against the TP 1 smoke run on
     the default path: every step's losses and the final metrics within 1e-5 relative (measured ~1e-7: only the
     summation order of the TP reductions differs), and the exported weights gathered from the two shards."""
     reference, _ = smoke_run
     run_dir = tmp_path / "tp2"
     kdexp_run([*SMOKE, f"hydra.run.dir={run_dir}", "parallel.tensor=2", "logger=none", "trainer.export_hf=true",
-               *overrides], env, tmp_path, torchrun=2)
+               *overrides], env, tmp_path, torchrun=2, launcher=launcher)
     tp2, tp1 = metrics(run_dir, "train"), metrics(reference, "train")
     assert len(tp2) == len(tp1) == 6
     for a, b in zip(tp2, tp1):
