@@ -171,3 +171,19 @@ def test_val_onpolicy_reverse_kl_is_the_exact_reverse_kl_on_the_students_continu
 def test_the_eos_id_comes_from_the_tokenizer():
     assert objective._eos(SimpleNamespace(tokenizer=SimpleNamespace(eos=0))) == 0
     assert objective._eos(SimpleNamespace(vocab_size=8)) is None
+
+
+def test_the_plans_kv_cache_is_what_megatrons_inference_context_allocates(tp1):
+    """kdexp.plan.sizing.rollout_bytes' KV cache against the bytes of the keys and values megatron's static inference
+    context holds after a prefill of a tiny model (GQA: 2 kv heads of 4)."""
+    from kdexp.models.generation import _inference, _Steps
+    from kdexp.plan.sizing import rollout_bytes
+
+    student, _ = _pair()
+    b, prompt, new = 3, P, N
+    with _inference(student):
+        steps = _Steps(student, b, prompt + new, kv_cache=True)
+        steps.first(_prompt_batch(b)["tokens"][:, :prompt])
+    held = sum(t.numel() * t.element_size() for kv in steps.ctx.key_value_memory_dict.values() for t in kv)
+    spec = student.kdexp_spec
+    assert held == rollout_bytes(spec, b, prompt, new, 4, 1)["KV cache"] > 0
