@@ -74,3 +74,17 @@ def test_a_sweep_over_the_on_policy_fraction_finishes(env, tmp_path):
         steps = [x.get("rollout/on_policy_fraction") for x in metrics(point, "train")]
         seen[tuple(steps)] = s["final"]["val/onpolicy_reverse_kl"]
     assert set(seen) == {(0.0, 0.0), (0.0, 1.0), (1.0, 1.0)}
+
+
+def test_the_step_benchmark_times_an_on_policy_step_in_three_parts(env, tmp_path):
+    """docs/on-policy.md's `kdexp.bench.step rollout=on_policy` line at smoke sizes: generation, teacher scoring and
+    update each timed, their sum printed beside the run's own (here on-policy) KD step."""
+    bench = kdexp_run(["--steps", "2", "--warmup", "1", "experiment=smoke", "rollout=on_policy",
+                       "rollout.max_new_tokens=8"], env, tmp_path, check=False, entry="kdexp.bench.step")
+    assert bench.returncode == 0, bench.stderr[-4000:]
+    rows = {line[:40].strip(): float(line[40:]) for line in bench.stdout.splitlines()[2:]
+            if line.startswith(("on-policy step", "KD train step", "teacher fwd"))}
+    parts = [rows[f"on-policy step: {k}"] for k in ("generation", "teacher scoring", "update")]
+    assert all(v > 0 for v in parts) and rows["on-policy step (sum of the parts)"] == pytest.approx(sum(parts),
+                                                                                                   abs=0.2)
+    assert "KD train step (teacher, student, KD+LM)" in rows

@@ -100,15 +100,17 @@ def _on_policy_step(student, objective, micro_batches, cfg, step: int, micro_con
     return on_policy_update(student, objective, rolled, cfg, step, micro_context)
 
 
-def on_policy_update(student, objective, rolled: list[dict], cfg, step: int, micro_context=None) -> dict:
-    """Teacher scoring, student forward, rollout loss and backward of a step's rollouts (see _on_policy_step)."""
+def on_policy_update(student, objective, rolled: list[dict], cfg, step: int, micro_context=None,
+                     scored: Optional[list] = None) -> dict:
+    """Teacher scoring, student forward, rollout loss and backward of a step's rollouts (see _on_policy_step).
+    `scored`: the teacher's outputs on `rolled`, computed beforehand (the step benchmark times the scoring apart)."""
     st = distributed.state()
     denom = token_share(rolled, distributed.dp_group(), st.dp_size)
     samples = float(sum(b["lengths"].numel() for b in rolled))
     parts: dict[str, torch.Tensor] = {}
     for i, batch in enumerate(rolled):
         with micro_context(i, len(rolled)) if micro_context else contextlib.nullcontext():
-            t_out = objective.teacher(batch)
+            t_out = objective.teacher(batch) if scored is None else scored[i]
             s_out = objective.student(student, batch)
             kd, stats = rollout_loss(objective, s_out, t_out, batch, denom, seed=sampling_seed(cfg, step, i))
             kd.backward()
@@ -292,6 +294,13 @@ class StepDriver:
         return self._run(step, lambda: train_step(
             s.student, s.objective, micro_batches, s.balancer, self.cfg, s.balancer.needs_lm_loss, step=step,
             micro_context=getattr(s.optimizer, "micro_context", None)), metrics, checkpoint)
+
+    def on_policy_update(self, step: int, rolled: list[dict], scored: Optional[list] = None) -> tuple[dict, bool]:
+        """The update of an on-policy step on rollouts generated beforehand (rollout_micro_batches) and, optionally,
+        the teacher's outputs on them: the step benchmark times generation, scoring and update apart."""
+        s = self.s
+        return self._run(step, lambda: on_policy_update(
+            s.student, s.objective, rolled, self.cfg, step, getattr(s.optimizer, "micro_context", None), scored))
 
     def lm_step(self, step: int, batch: dict, *, teacher: bool = False) -> tuple[dict, bool]:
         """The student alone with the LM loss: what training without distillation costs; with `teacher` the
