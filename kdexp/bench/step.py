@@ -14,6 +14,10 @@ SDPA against megatron's attention, ``--versus loss.fused_head=false`` the fused 
 
 With ``teacher=cached`` the KD step reads the offline teacher cache (built first if missing) and the baseline is the
 LM-only student step (no teacher at all): the ratio is what distilling from the cache costs over plain training.
+
+With ``rollout=on_policy`` an on-policy step joins the rotation, timed in three parts on the same batches: generation
+(the student continues the prompts, KV cache), teacher scoring (its forward on the rollouts) and the update (student
+forward + backward of the rollout loss, the optimizer step); the table gives each part's median and their sum.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from kdexp import distributed
 from kdexp.data import batches
 from kdexp.train.batches import batch_to
 from kdexp.train.loop import setup
-from kdexp.train.step import StepDriver
+from kdexp.train.step import StepDriver, rollout_micro_batches
 from kdexp.bench import parser
 
 # teacher kind -> (what the baseline pays for the teacher, the KD step), the table's rows
@@ -76,6 +80,26 @@ def main(argv=None) -> None:
     if versus is not None:
         variants.append(("versus", versus.step))
     times = {name: [] for name, _ in variants}
+    on_policy = cfg.rollout.name == "on_policy"
+    if on_policy:
+        parts = {"generation": [], "teacher scoring": [], "update": []}
+
+        def on_policy_step(i, batch):
+            timed = {}
+            start = _now(st.device)
+            rolled = rollout_micro_batches(s.student, s.objective, [batch], i)
+            timed["generation"], start = _now(st.device) - start, _now(st.device)
+            with torch.no_grad():
+                scored = [s.objective.teacher(b) for b in rolled]
+            timed["teacher scoring"], start = _now(st.device) - start, _now(st.device)
+            driver.on_policy_update(i, rolled, scored)
+            timed["update"] = _now(st.device) - start
+            if i >= args.warmup:
+                for key, value in timed.items():
+                    parts[key].append(value)
+
+        variants.append(("on-policy", on_policy_step))
+        times["on-policy"] = []
     for i in range(args.warmup + args.steps):
         batch = batch_to(next(train_batches), st.device)
         shift = i % len(variants)  # each variant runs first, second, ... equally often
@@ -100,9 +124,21 @@ def main(argv=None) -> None:
         if versus is not None:
             print(f"{kd_label + ', ' + ' '.join(args.versus):<40} "
                   f"{1000 * statistics.median(times['versus']):>10.1f}")
+        if on_policy:
+            total = 0.0
+            for key, values in parts.items():
+                total += statistics.median(values)
+                print(f"{'on-policy step: ' + key:<40} {1000 * statistics.median(values):>10.1f}")
+            print(f"{'on-policy step (sum of the parts)':<40} {1000 * total:>10.1f}")
         print(f"KD overhead: {100 * (kd / base - 1):+.1f}%  (ratio {kd / base:.3f})")
         if versus is not None:
             print(f"KD step vs {' '.join(args.versus)}: ratio {kd / statistics.median(times['versus']):.3f}")
+
+
+def _now(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from kdexp.config.overrides import unknown_keys
+from kdexp.config.rollout import check_rollout
 from kdexp.config.rules import unresolved
 from kdexp.config.sources import (ALIGNMENTS, check_alignment, check_data, check_model, check_token_files,
                                   check_tokenizer, layer_counts, shapes, tokenizer_vocab)
@@ -289,6 +290,7 @@ def validate(cfg: Any) -> None:
     _check_intermediate(cfg)
     BalancerOptions.from_config(cfg.balancer).check(prefix="balancer.")
     _check_trainer(cfg.trainer, min(s[3] for s in sizes.values()))
+    check_rollout(cfg, min(s[3] for s in sizes.values()))
     _check_parallel(cfg, sizes, teacher_vocab)
     _check_scale(cfg)
     _check_teacher(cfg, teacher_vocab)

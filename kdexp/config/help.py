@@ -43,10 +43,11 @@ EXAMPLES = (
 HYDRA_LAUNCHER = "hydra/launcher"
 # The page's order: the groups a run is made of first, where it runs and logs next, presets and their arms last;
 # keys follow their group's place (parallel, launch and paths after trainer).
-GROUP_ORDER = ("model", "loss", "balancer", "teacher", "data", "trainer", "parallel", "logger", "launch", "paths",
-               HYDRA_LAUNCHER, "experiment", "experiment_arm", "arm")
+GROUP_ORDER = ("model", "loss", "balancer", "teacher", "rollout", "data", "trainer", "parallel", "logger", "launch",
+               "paths", HYDRA_LAUNCHER, "experiment", "experiment_arm", "arm")
 # Modules whose value rules name config keys: parsed for the "allowed" column.
-RULE_MODULES = {"kdexp.config.checks": "", "kdexp.config.sources": "", "kdexp.losses.options": None}
+RULE_MODULES = {"kdexp.config.checks": "", "kdexp.config.sources": "", "kdexp.config.rollout": "",
+                "kdexp.losses.options": None}
 WIDTH = 118
 
 

@@ -100,6 +100,26 @@ class TeacherConfig:
 
 
 @dataclass
+class RolloutConfig:
+    """The rollout group: where a step's tokens come from. `off`: dataset batches only; `on_policy`: for a fraction of
+    the steps the student continues prompts cut from the dataset samples and is trained on its own tokens, scored by
+    the teacher (docs/on-policy.md). The sampler keys also set val/onpolicy_reverse_kl's continuations in every run."""
+
+    name: str = "off"  # off | on_policy
+    # GKD's lambda: the fraction of steps (every micro-batch of a step alike) trained on the student's own samples;
+    # rollout=off takes 0 only
+    on_policy_fraction: float = 0.0
+    prompt_tokens: int = 16  # the prompt: the first this-many tokens of a dataset sample
+    max_new_tokens: int = 32  # a row stops at the tokenizer's end-of-sequence id or here (counted as truncated)
+    temperature: float = 1.0  # the sampler's
+    top_p: float = 1.0  # the sampler's nucleus; 1 = the whole vocabulary
+    # distribution: the loss group's divergence and cut at every generated position (objective, fused head);
+    # sampled_token: per-token reverse KL on the sampled token as the advantage, an importance-sampling loss
+    estimator: str = "distribution"
+    warmup_steps: int = 0  # off-policy steps before the first rollout
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = 200
     micro_batch_size: int = 4
@@ -182,6 +202,7 @@ class KdexpConfig:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)

@@ -8,6 +8,8 @@ The rooms:
   (``LOSSES``, ``register_loss``; the loss names are kdexp.losses.options.LOSS_NAMES) that maps a config to one.
   Nothing outside these tables branches on the loss or the teacher kind.
 - ``tokens``: per-token quantities (the one cross-entropy, token normalisation, hidden-state losses, eval metrics).
+- ``rollout``: the student's own samples as a source of training tokens (rollout=on_policy), their loss (estimator
+  distribution or sampled_token) and the eval metric val/onpolicy_reverse_kl.
 
 The objective owns the output layer: with the fused head (``loss.fused_head``, the rule in
 kdexp.losses.head.uses_fused_head) the student's final hidden states and output weight go to
@@ -26,6 +28,7 @@ from kdexp import distributed
 from kdexp.losses import BalancerOptions
 from kdexp.losses.chunking import head_rows
 from kdexp.losses.head import ChunkLoss, fused_head_loss, uses_fused_head
+from kdexp.objective.rollout import Rollouts, RolloutStats, onpolicy_reverse_kl, rollout_loss
 from kdexp.objective.sources import TEACHERS, CachedTeacher, ModelOut, OnlineTeacher, forward
 from kdexp.objective.terms import LOSSES, CachedLogitTerm, LossOptions, CachedSampledTerm, KDTerm, LogitTerm, \
     SampledTerm, TermStats, family, register_loss, term
@@ -34,6 +37,7 @@ from kdexp.objective.tokens import INTERMEDIATE_ATTR, attach_intermediate, cross
 
 __all__ = [
     "Objective", "ObjectiveResult", "build", "build_balancer", "ChunkLoss",
+    "Rollouts", "RolloutStats", "onpolicy_reverse_kl", "rollout_loss",
     "TEACHERS", "CachedTeacher", "ModelOut", "OnlineTeacher", "forward",
     "LOSSES", "LossOptions", "CachedLogitTerm", "CachedSampledTerm", "KDTerm", "LogitTerm", "SampledTerm", "TermStats",
     "family", "register_loss", "term",
@@ -63,8 +67,9 @@ class Objective:
     `__call__(student_out, teacher_out, batch, denom, seed, needs_lm)` -> ObjectiveResult."""
 
     def __init__(self, loss_cfg, teacher_source, term: KDTerm, *, fused: bool, fuses_lm: bool, coefficients=None,
-                 eval_teacher=None, student_layers=(), pairs=()):
+                 eval_teacher=None, student_layers=(), pairs=(), rollout: Optional[Rollouts] = None):
         self.loss_cfg, self.teacher, self.term = loss_cfg, teacher_source, term
+        self.rollout = rollout  # the rollout config (kdexp.objective.rollout); None: no rollouts, no on-policy eval
         self.fused, self.fuses_lm, self.coefficients = fused, fuses_lm, coefficients
         self.eval_teacher = eval_teacher
         self.student_layers, self.pairs = list(student_layers), list(pairs)
@@ -183,4 +188,11 @@ def build(cfg, data, teacher_model, balancer, *, identify_teacher: Optional[Call
     coefficients = getattr(balancer, "coefficients", None) if not s_layers else None
     return Objective(loss_cfg, source, kd_term, fused=fused, fuses_lm=bool(getattr(kd_term, "fuses_lm", False)),
                      coefficients=coefficients, eval_teacher=OnlineTeacher(teacher_model, fused=fused),
-                     student_layers=s_layers, pairs=loss_cfg.intermediate or [])
+                     student_layers=s_layers, pairs=loss_cfg.intermediate or [],
+                     rollout=Rollouts(cfg.rollout, seed=int(cfg.trainer.seed), eos_id=_eos(data)))
+
+
+def _eos(data) -> Optional[int]:
+    """The tokenizer's end-of-sequence id, where rollouts stop (None for a data stand-in without a tokenizer)."""
+    tokenizer = getattr(data, "tokenizer", None)
+    return None if tokenizer is None else int(tokenizer.eos)

@@ -55,6 +55,8 @@ class Plan:
     reserve: float = 0.0
     flops: dict = field(default_factory=dict)  # per token
     mfu: float = DEFAULT_MFU
+    # generation's phase (rollout=on_policy's steps and val/onpolicy_reverse_kl's eval in every run): name -> bytes
+    rollout: dict = field(default_factory=dict)
 
     @property
     def needs(self) -> float:
@@ -241,9 +243,15 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     # (what the teacher's side keeps: its logits, or with the fused head its final hidden states)
     teacher_kept = [it for it in p.items if it[0] in ("teacher logits", "teacher hidden states")]
     teacher_phase = 0 if layout is not None else sum(v for _, v, _ in teacher_kept) + teacher_layer
-    if teacher_phase > student_phase:
+    r = cfg.rollout
+    p.rollout = sizing.rollout_bytes(student, micro, int(r.prompt_tokens), int(r.max_new_tokens), e, tp, attention)
+    rollout_phase = sum(p.rollout.values())
+    if teacher_phase > student_phase and teacher_phase >= rollout_phase:
         p.items = [it for it in p.items if it[0] in static] + teacher_kept
         p.items += [("teacher forward layer", teacher_layer, "no-grad transient of one layer: the peak")]
+    elif rollout_phase > max(student_phase, teacher_phase):  # generation before the step is the peak
+        p.items = [it for it in p.items if it[0] in static]
+        p.items += [(f"rollout {k}", v, "generation (no grad), before the step: the peak") for k, v in p.rollout.items()]
     p.peak = sum(v for _, v, _ in p.items)
     p.reserve = RESERVE_GIB * GiB + FRAGMENTATION * p.peak
 
@@ -289,6 +297,10 @@ def format_table(p: Plan) -> str:
         f"  fits trainer.gpu_memory_gb={p.gpu_memory_gb:g}" if p.needs <= p.gpu_memory_gb * GiB else
         f"  DOES NOT FIT trainer.gpu_memory_gb={p.gpu_memory_gb:g}")
     lines += [f"{'needs':<{w}} {_gib(p.needs, unit):>9}{verdict}", ""]
+    if p.rollout:
+        lines += [f"{'generation (no grad)':<{w}} {_gib(sum(p.rollout.values()), unit):>9}  "
+                  + ", ".join(f"{k} {_gib(v, unit)} {uname}" for k, v in p.rollout.items())
+                  + f" (micro-batch {p.micro_batch}; rollout=on_policy's steps, val/onpolicy_reverse_kl's eval)", ""]
     tps = p.tokens_per_s_per_gpu
     lines += [
         f"{'FLOPs per token':<{w}} {f['total'] / 1e9:>9,.2f} G  student fwd+bwd {f['student'] / 1e9:,.2f} G "

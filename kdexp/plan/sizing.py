@@ -208,3 +208,24 @@ def fused_head_bytes(tokens: int, local_vocab: int, hidden: int, teacher_hidden:
         "head gradients": tokens * hidden * act_bytes + local_vocab * hidden * (4 + (act_bytes if act_bytes != 4 else 0)),
         "head chunk working set": sum(chunk.values()),
     }
+
+
+# The sampler's [b, V/tp] buffers per decoded token (kdexp.models.sampling): float64 logits / temperature, their
+# exponentials and probabilities, the order codes, the argsort, the sorted codes and the suffix masses (int64 /
+# float64), the Gumbel scores: about 9 eight-byte values per logit, plus the fp32 logits themselves.
+SAMPLER_BYTES_PER_LOGIT = 9 * 8 + 4
+
+
+def rollout_bytes(spec: Qwen3Spec, rows: int, prompt: int, new: int, act_bytes: int, tp: int,
+                  attention: str = "sdpa") -> dict[str, float]:
+    """Generation's own memory per TP rank (kdexp.models.generate, no grad, before the training forward): megatron's
+    static inference context keeps keys and values of every layer for `rows` x (prompt + new) positions
+    ([max_seq, b, kv_heads/tp, head_dim] each); the prefill's one-layer transient over the prompt (as the teacher's
+    no-grad forward: megatron's attention scores, or the MLP's fc1 output and products); the sampler's buffers of one
+    decoded token over this rank's vocabulary shard."""
+    positions = prompt + new
+    kv = 2 * spec.num_layers * rows * positions * (spec.num_kv_heads // tp) * spec.head_dim * act_bytes
+    scores = (4 + 4 + (2 if act_bytes == 2 else 0)) * (spec.num_heads // tp) * prompt if attention == "megatron" else 0
+    prefill = rows * prompt * max(scores, 5 * act_bytes * spec.intermediate_size / tp)
+    return {"KV cache": kv, "prefill layer": prefill,
+            "sampler buffers": rows * (spec.vocab_size // tp) * SAMPLER_BYTES_PER_LOGIT}

@@ -22,6 +22,7 @@ INF = math.inf
 # metric -> (lowest, highest) value it can take. A metric not listed (or matched by a suffix rule below) is unbounded.
 METRIC_RANGES: dict[str, tuple[float, float]] = {
     "val/kl_to_teacher": (0.0, INF),   # a KL divergence
+    "val/onpolicy_reverse_kl": (0.0, INF),
     "val/top1_agreement": (0.0, 1.0),  # a fraction of tokens
     "train/kept_mass": (0.0, 1.0),     # a probability mass
     "train/ghost_mass": (0.0, 1.0),

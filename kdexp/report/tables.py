@@ -26,7 +26,7 @@ TABLE_METRICS = ("val/lm_loss", "val/kl_to_teacher", "val/top1_agreement", "trai
 # Which way is better. train/kept_mass is left out on purpose: it describes the loss setting (a larger Top-K keeps
 # more teacher mass), it is not something to maximise. Timing metrics have no goal here: points of a sweep run under
 # different machine load (other points, other users), so a faster point is no finding (replicates.is_timing).
-GOALS = {"val/lm_loss": "min", "val/kl_to_teacher": "min", "val/top1_agreement": "max",
+GOALS = {"val/lm_loss": "min", "val/kl_to_teacher": "min", "val/top1_agreement": "max", "val/onpolicy_reverse_kl": "min",
          "train/loss": "min", "train/lm_loss": "min", "train/kd_loss": "min"}
 BEST_METRICS = ("val/lm_loss", "val/kl_to_teacher", "val/top1_agreement")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -21,16 +22,20 @@ log = logging.getLogger("kdexp")
 
 
 class IntervalMeter:
-    """Running sums of detached scalar tensors over one log interval."""
+    """Running sums of detached scalar tensors over one log interval. Each key is averaged over the steps that
+    reported it (an on-policy run's rollout/* keys come from its on-policy steps only, train/lm_loss from the
+    others)."""
 
     def __init__(self) -> None:
         self.sums: dict[str, torch.Tensor] = {}
+        self.counts: dict[str, int] = {}
         self.count = 0
 
     def add(self, values: dict[str, torch.Tensor]) -> None:
         for key, value in values.items():
             value = value.detach().float()
             self.sums[key] = self.sums[key] + value if key in self.sums else value.clone()
+            self.counts[key] = self.counts.get(key, 0) + 1
         self.count += 1
 
     def averages(self) -> dict[str, float]:
@@ -38,17 +43,18 @@ class IntervalMeter:
             return {}
         keys = list(self.sums)
         host = torch.stack([self.sums[k] for k in keys]).cpu().tolist()  # the one host sync of the interval
-        return {k: v / self.count for k, v in zip(keys, host)}
+        return {k: v / self.counts.get(k, self.count) for k, v in zip(keys, host)}
 
     def reset(self) -> None:
-        self.sums, self.count = {}, 0
+        self.sums, self.counts, self.count = {}, {}, 0
 
     def state_dict(self) -> dict:
-        return {"sums": {k: v.cpu() for k, v in self.sums.items()}, "count": self.count}
+        return {"sums": {k: v.cpu() for k, v in self.sums.items()}, "count": self.count, "counts": dict(self.counts)}
 
     def load_state_dict(self, state: dict, device: torch.device) -> None:
         self.sums = {k: v.to(device) for k, v in state["sums"].items()}
         self.count = state["count"]
+        self.counts = dict(state.get("counts", {}))  # a checkpoint from before per-key counts: every key each step
 
 
 class MetricsFile:
@@ -114,12 +120,17 @@ def console_line(step: int, max_steps: int, m: dict[str, float], eta_s: float) -
             f"lm {m.get('train/lm_loss', float('nan')):8.4f} kd {m.get('train/kd_loss', float('nan')):8.4f} "
             f"kept {m.get('train/kept_mass', float('nan')):6.4f} "
             f"nucleus {m.get('train/nucleus_size', float('nan')):8.1f} "
-            f"tok/s {m.get('perf/tokens_per_s', 0.0):9.0f} lr {m.get('train/lr', 0.0):9.3e} eta {_fmt_eta(eta_s)}")
+            f"tok/s {m.get('perf/tokens_per_s', 0.0):9.0f} lr {m.get('train/lr', 0.0):9.3e} eta {_fmt_eta(eta_s)}"
+            + (f" on-policy {m['rollout/on_policy_fraction']:4.2f} rollout kd {m.get('rollout/kd_loss', math.nan):8.4f}"
+               f" len {m.get('rollout/length', math.nan):6.1f}" if "rollout/on_policy_fraction" in m else ""))
 
 
 def eval_line(step: int, m: dict[str, float]) -> str:
-    return (f"eval {step:>6d}        val/lm_loss {m['val/lm_loss']:8.4f} "
+    line = (f"eval {step:>6d}        val/lm_loss {m['val/lm_loss']:8.4f} "
             f"val/kl_to_teacher {m['val/kl_to_teacher']:8.4f} val/top1_agreement {m['val/top1_agreement']:6.4f}")
+    if "val/onpolicy_reverse_kl" in m:
+        line += f" val/onpolicy_reverse_kl {m['val/onpolicy_reverse_kl']:8.4f}"
+    return line
 
 
 class Progress:

@@ -36,8 +36,8 @@ log = logging.getLogger("kdexp")
 
 EXPERIMENT_DIR = "hparams"  # under the sweep dir: the TensorBoard run holding the sweep's experiment config
 # The metric columns of the HParams view: each point's last value of these scalars (its final metrics).
-HPARAMS_METRICS = ("val/lm_loss", "val/kl_to_teacher", "val/top1_agreement", "train/loss", "train/kd_loss",
-                   "train/kept_mass", "perf/tokens_per_s")
+HPARAMS_METRICS = ("val/lm_loss", "val/kl_to_teacher", "val/top1_agreement", "val/onpolicy_reverse_kl", "train/loss",
+                   "train/kd_loss", "train/kept_mass", "perf/tokens_per_s")
 
 
 def available() -> Optional[str]:

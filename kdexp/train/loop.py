@@ -245,11 +245,13 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
                 record = {**averages, "train/lr": lr, "train/skipped_steps": guard.skipped,
                           "perf/step_ms": 1000.0 * elapsed / interval_steps,
                           "perf/tokens_per_s": tokens_per_step * interval_steps / max(elapsed, 1e-9)}
-                last_train = {**last_train, **record}  # a fully skipped interval keeps the last finite losses
+                # a fully skipped interval keeps the last finite losses (an on-policy interval has no train/lm_loss:
+                # its console line shows none rather than an older interval's)
+                last_train = {**last_train, **record}
                 meter.reset()
                 if rank0:
                     eta = (time.perf_counter() - run_start) / (done - start) * (t.max_steps - done)
-                    log.info(console_line(done, t.max_steps, last_train, eta) if averages else
+                    log.info(console_line(done, t.max_steps, record, eta) if averages else
                              f"step {done:>6d}/{t.max_steps:<6d} every step of this interval was skipped "
                              f"(non-finite; {guard.skipped} skipped in all)")
                 emit({"step": done, "kind": "train", **record})

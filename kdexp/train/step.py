@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from kdexp import distributed, models
-from kdexp.objective import lm_loss, token_share
+from kdexp.objective import lm_loss, onpolicy_reverse_kl, rollout_loss, token_share
 from kdexp.train import megatron_optim, optim
 from kdexp.train.batches import sampling_seed
 from kdexp.train.errors import Diverged
@@ -53,6 +53,9 @@ def train_step(student, objective, micro_batches, balancer, cfg, needs_lm: bool,
     KD's draws (kdexp.train.batches.sampling_seed, per micro-batch)."""
     if isinstance(micro_batches, dict):
         micro_batches = [micro_batches]
+    rollout = getattr(objective, "rollout", None)
+    if rollout is not None and rollout.on_policy(step):
+        return _on_policy_step(student, objective, micro_batches, cfg, step, micro_context)
     st = distributed.state()
     denom = token_share(micro_batches, distributed.dp_group(), st.dp_size)
     parts: dict[str, torch.Tensor] = {}
@@ -60,8 +63,20 @@ def train_step(student, objective, micro_batches, balancer, cfg, needs_lm: bool,
         with micro_context(i, len(micro_batches)) if micro_context else contextlib.nullcontext():
             micro = _micro_step(student, objective, batch, balancer, needs_lm, denom,
                                 sampling_seed(cfg, step, i))
-        for key, value in micro.items():
-            parts[key] = parts[key] + value if key in parts else value
+        _add(parts, micro)
+    if rollout is not None and rollout.enabled:
+        parts["rollout/on_policy_fraction"] = torch.zeros((), device=st.device)
+    return _dp_mean(parts)
+
+
+def _add(parts: dict, micro: dict) -> None:
+    for key, value in micro.items():
+        parts[key] = parts[key] + value if key in parts else value
+
+
+def _dp_mean(parts: dict) -> dict:
+    """The logged parts averaged over the data-parallel ranks (one small all_reduce): the global batch's values."""
+    st = distributed.state()
     if st.dp_size > 1:
         keys = list(parts)
         flat = torch.stack([parts[k].float() for k in keys])
@@ -70,27 +85,77 @@ def train_step(student, objective, micro_batches, balancer, cfg, needs_lm: bool,
     return parts
 
 
+def rollout_micro_batches(student, objective, micro_batches: list[dict], step: int) -> list[dict]:
+    """The student's continuations of each micro-batch's prompts (kdexp.objective.Rollouts.sample)."""
+    return [objective.rollout.sample(student, batch, step) for batch in micro_batches]
+
+
+def _on_policy_step(student, objective, micro_batches, cfg, step: int, micro_context=None) -> dict:
+    """A step on the student's own samples: generate every micro-batch's rollouts first (the token normalisation
+    counts the generated tokens of the whole global batch), then per micro-batch the teacher's scoring, the student's
+    forward, the rollout loss (KD only) and backward. Logged: train/loss and rollout/* (the estimator's loss as
+    rollout/kd_loss; per generated token the stats of kdexp.objective.RolloutStats; per sample the length and the
+    truncated fraction; the importance ratio's mean and standard deviation with estimator=sampled_token)."""
+    rolled = rollout_micro_batches(student, objective, micro_batches, step)
+    return on_policy_update(student, objective, rolled, cfg, step, micro_context)
+
+
+def on_policy_update(student, objective, rolled: list[dict], cfg, step: int, micro_context=None,
+                     scored: Optional[list] = None) -> dict:
+    """Teacher scoring, student forward, rollout loss and backward of a step's rollouts (see _on_policy_step).
+    `scored`: the teacher's outputs on `rolled`, computed beforehand (the step benchmark times the scoring apart)."""
+    st = distributed.state()
+    denom = token_share(rolled, distributed.dp_group(), st.dp_size)
+    samples = float(sum(b["lengths"].numel() for b in rolled))
+    parts: dict[str, torch.Tensor] = {}
+    for i, batch in enumerate(rolled):
+        with micro_context(i, len(rolled)) if micro_context else contextlib.nullcontext():
+            t_out = objective.teacher(batch) if scored is None else scored[i]
+            s_out = objective.student(student, batch)
+            kd, stats = rollout_loss(objective, s_out, t_out, batch, denom, seed=sampling_seed(cfg, step, i))
+            kd.backward()
+        _add(parts, {"train/loss": kd.detach(), "rollout/kd_loss": kd.detach(),
+                     **{f"rollout/{k}": v.detach() for k, v in stats._asdict().items() if v is not None},
+                     "rollout/length": batch["lengths"].float().sum() / samples,
+                     "rollout/truncated_fraction": batch["truncated"].float().sum() / samples})
+    parts["rollout/on_policy_fraction"] = torch.ones((), device=st.device)
+    parts = _dp_mean(parts)
+    square = parts.pop("rollout/importance_ratio_sq", None)
+    if square is not None:
+        mean = parts["rollout/importance_ratio"]
+        parts["rollout/importance_ratio_std"] = (square - mean * mean).clamp(min=0).sqrt()
+    return parts
+
+
 @torch.no_grad()
 def evaluate(student, objective, val_batches: list) -> dict[str, float]:
-    """val/lm_loss, val/kl_to_teacher (full-vocabulary forward KL, T=1), val/top1_agreement; averaged over DP.
+    """val/lm_loss, val/kl_to_teacher (full-vocabulary forward KL, T=1), val/top1_agreement and
+    val/onpolicy_reverse_kl (kdexp.objective.onpolicy_reverse_kl: the exact reverse KL per token on the student's own
+    continuations of the validation prompts); averaged over DP.
 
     Each item of `val_batches` is one eval iteration: a micro-batch, or a list of the micro-batches of this rank's
     share of one global batch (token-normalised over that share, as in training). Always against the teacher model
     (also when training reads a cache), formed chunk by chunk when the objective fuses the head."""
     st = distributed.state()
     student.eval()
-    sums = torch.zeros(3, device=st.device)
+    on_policy = getattr(objective, "rollout", None) is not None
+    sums = torch.zeros(4, device=st.device)
     for item in val_batches:
         micros = [item] if isinstance(item, dict) else item
         denom = token_share(micros)
         for batch in micros:
-            sums += objective.evaluate(student, batch, denom)
+            sums[:3] += objective.evaluate(student, batch, denom)
+        if on_policy:
+            sums[3] += onpolicy_reverse_kl(objective, student, micros).to(sums.device)
     student.train()
     if st.dp_size > 1:
         dist.all_reduce(sums, group=distributed.dp_group())
         sums /= st.dp_size
-    kl, agree, lm = (sums / max(1, len(val_batches))).tolist()
-    return {"val/lm_loss": lm, "val/kl_to_teacher": kl, "val/top1_agreement": agree}
+    kl, agree, lm, reverse = (sums / max(1, len(val_batches))).tolist()
+    out = {"val/lm_loss": lm, "val/kl_to_teacher": kl, "val/top1_agreement": agree}
+    if on_policy:
+        out["val/onpolicy_reverse_kl"] = reverse
+    return out
 
 
 def _any_rank(flag: torch.Tensor) -> bool:
@@ -229,6 +294,13 @@ class StepDriver:
         return self._run(step, lambda: train_step(
             s.student, s.objective, micro_batches, s.balancer, self.cfg, s.balancer.needs_lm_loss, step=step,
             micro_context=getattr(s.optimizer, "micro_context", None)), metrics, checkpoint)
+
+    def on_policy_update(self, step: int, rolled: list[dict], scored: Optional[list] = None) -> tuple[dict, bool]:
+        """The update of an on-policy step on rollouts generated beforehand (rollout_micro_batches) and, optionally,
+        the teacher's outputs on them: the step benchmark times generation, scoring and update apart."""
+        s = self.s
+        return self._run(step, lambda: on_policy_update(
+            s.student, s.objective, rolled, self.cfg, step, getattr(s.optimizer, "micro_context", None), scored))
 
     def lm_step(self, step: int, batch: dict, *, teacher: bool = False) -> tuple[dict, bool]:
         """The student alone with the LM loss: what training without distillation costs; with `teacher` the

@@ -1,0 +1,54 @@
+"""The rollout group's value rules (``check_rollout``): where a step's tokens come from and the sampler's settings,
+checked with the rest of the config before anything is built (kdexp.config.checks.validate calls it)."""
+from __future__ import annotations
+
+from typing import Any
+
+from kdexp.rules import choice, fail, integer, number
+
+ROLLOUTS = ("off", "on_policy")
+ESTIMATORS = ("distribution", "sampled_token")  # kdexp.objective.rollout implements them
+
+
+def check_rollout(cfg: Any, max_positions: int) -> None:
+    """rollout.*: the sampler's values (they set val/onpolicy_reverse_kl's continuations in every run), then what
+    training on the student's own tokens needs (an online teacher to score them, a rollout that fits a training
+    sequence, no sequence parallelism in generation)."""
+    r, t = cfg.rollout, cfg.trainer
+    choice("rollout.name", r.name, ROLLOUTS)
+    number("rollout.on_policy_fraction", r.on_policy_fraction, ge=0, le=1)
+    integer("rollout.prompt_tokens", r.prompt_tokens, ge=1)
+    integer("rollout.max_new_tokens", r.max_new_tokens, ge=1)
+    number("rollout.temperature", r.temperature, gt=0)
+    number("rollout.top_p", r.top_p, gt=0, le=1)
+    choice("rollout.estimator", r.estimator, ESTIMATORS)
+    integer("rollout.warmup_steps", r.warmup_steps, ge=0)
+    if r.prompt_tokens > t.seq_length:
+        fail("rollout.prompt_tokens", r.prompt_tokens, f"must be in [1, trainer.seq_length={t.seq_length}] (the "
+             "prompt is the start of a dataset sample; it also starts val/onpolicy_reverse_kl's continuations)")
+    if r.prompt_tokens + r.max_new_tokens > max_positions:
+        fail("rollout.max_new_tokens", r.max_new_tokens, f"must be in [1, {max_positions - r.prompt_tokens}]: "
+             f"rollout.prompt_tokens + rollout.max_new_tokens must be <= the models' max_position_embeddings "
+             f"{max_positions}")
+    if r.name == "off":
+        if r.on_policy_fraction != 0:
+            fail("rollout.on_policy_fraction", r.on_policy_fraction, "must be 0 with rollout=off (dataset batches "
+                 "only); choose rollout=on_policy to train on the student's samples")
+        for key in ("estimator", "warmup_steps"):
+            default = {"estimator": "distribution", "warmup_steps": 0}[key]
+            if getattr(r, key) != default:
+                fail(f"rollout.{key}", getattr(r, key), f"is read by rollout=on_policy only: leave it at {default} "
+                     "with rollout=off, or choose rollout=on_policy")
+        return
+    if r.prompt_tokens + r.max_new_tokens > t.seq_length:
+        fail("rollout.max_new_tokens", r.max_new_tokens, f"must be in [1, {t.seq_length - r.prompt_tokens}] with "
+             f"rollout=on_policy: a rollout (rollout.prompt_tokens={r.prompt_tokens} + max_new_tokens) must fit in "
+             f"trainer.seq_length={t.seq_length}, the sequence the plan sizes")
+    if r.warmup_steps > t.max_steps:
+        fail("rollout.warmup_steps", r.warmup_steps, f"must be in [0, trainer.max_steps={t.max_steps}]")
+    if cfg.teacher.name != "online":
+        fail("teacher.name", cfg.teacher.name, "must be online with rollout=on_policy: the teacher scores the "
+             "student's own samples, which no offline cache holds")
+    if cfg.parallel.sequence:
+        fail("parallel.sequence", True, "must be false with rollout=on_policy: generation has one token per row to "
+             "split over the tensor-parallel ranks")
