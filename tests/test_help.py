@@ -73,7 +73,7 @@ def test_every_group_option_and_the_choices_read_from_the_rules(page):
 def test_common_groups_first_presets_last_and_no_code_names(page):
     groups = page.split("== Config groups", 1)[1].split("== Keys", 1)[0]
     order = [line.split(":", 1)[0] for line in groups.splitlines() if line and not line.startswith(" ")]
-    assert order[:6] == ["model", "loss", "balancer", "teacher", "data", "trainer"], order
+    assert order[:7] == ["model", "loss", "balancer", "teacher", "rollout", "data", "trainer"], order
     assert order[-2:] == ["experiment", "arm"], order
     keys = page.split("== Keys", 1)[1].split("== Hydra flags ==", 1)[0]
     heads = [line.split(":", 1)[0] for line in keys.splitlines() if line and not line.startswith(" ")]

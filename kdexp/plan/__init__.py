@@ -244,7 +244,9 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     teacher_kept = [it for it in p.items if it[0] in ("teacher logits", "teacher hidden states")]
     teacher_phase = 0 if layout is not None else sum(v for _, v, _ in teacher_kept) + teacher_layer
     r = cfg.rollout
-    p.rollout = sizing.rollout_bytes(student, micro, int(r.prompt_tokens), int(r.max_new_tokens), e, tp, attention)
+    if not sp:  # a sequence-parallel run generates nothing (no rollouts, no val/onpolicy_reverse_kl)
+        p.rollout = sizing.rollout_bytes(student, micro, int(r.prompt_tokens), int(r.max_new_tokens), e, tp,
+                                         attention)
     rollout_phase = sum(p.rollout.values())
     if teacher_phase > student_phase and teacher_phase >= rollout_phase:
         p.items = [it for it in p.items if it[0] in static] + teacher_kept

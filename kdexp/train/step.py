@@ -131,14 +131,16 @@ def on_policy_update(student, objective, rolled: list[dict], cfg, step: int, mic
 def evaluate(student, objective, val_batches: list) -> dict[str, float]:
     """val/lm_loss, val/kl_to_teacher (full-vocabulary forward KL, T=1), val/top1_agreement and
     val/onpolicy_reverse_kl (kdexp.objective.onpolicy_reverse_kl: the exact reverse KL per token on the student's own
-    continuations of the validation prompts); averaged over DP.
+    continuations of the validation prompts; not under sequence parallelism); averaged over DP.
 
     Each item of `val_batches` is one eval iteration: a micro-batch, or a list of the micro-batches of this rank's
     share of one global batch (token-normalised over that share, as in training). Always against the teacher model
     (also when training reads a cache), formed chunk by chunk when the objective fuses the head."""
     st = distributed.state()
     student.eval()
-    on_policy = getattr(objective, "rollout", None) is not None
+    # generation has no sequence-parallel path (one token per row to split over the TP ranks): such a run has no
+    # val/onpolicy_reverse_kl (and rollout=on_policy refuses parallel.sequence)
+    on_policy = getattr(objective, "rollout", None) is not None and not models.sequence_parallel(student)
     sums = torch.zeros(4, device=st.device)
     for item in val_batches:
         micros = [item] if isinstance(item, dict) else item
