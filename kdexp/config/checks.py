@@ -289,6 +289,9 @@ def validate(cfg: Any) -> None:
     _check_intermediate(cfg)
     BalancerOptions.from_config(cfg.balancer).check(prefix="balancer.")
     _check_trainer(cfg.trainer, min(s[3] for s in sizes.values()))
+    if cfg.model.teacher_pretrain_seq_length > sizes["teacher"][3]:
+        fail("model.teacher_pretrain_seq_length", cfg.model.teacher_pretrain_seq_length,
+             f"must be <= the teacher's max_position_embeddings {sizes['teacher'][3]}")
     _check_parallel(cfg, sizes, teacher_vocab)
     _check_scale(cfg)
     _check_teacher(cfg, teacher_vocab)

@@ -1,7 +1,8 @@
 """On-disk format of the offline teacher cache: shard layout, value and index encodings, the key and its manifest.
 
-A cache directory holds, for global samples [0, samples) of the run's training stream (kdexp.data.batches order),
-shards of `shard_samples` consecutive samples. Shard j is raw little-endian arrays (numpy memmaps, no header), one
+A cache directory holds, for training windows [0, samples) (kdexp.data: the samples data.seed fixes, read by any
+trainer.seed in its own order, kdexp.data.ReadOrder), shards of `shard_samples` consecutive samples. A run that reads
+more windows than a cache holds extends it (kdexp.teacher.writer); one that reads fewer reads its prefix. Shard j is raw little-endian arrays (numpy memmaps, no header), one
 file per part of its record type (`layout["record"]`, `RECORD_PARTS`):
 
 "topk" (the logit losses: kdexp.losses.cached), K = k_max slots per token:
@@ -22,8 +23,9 @@ E the value bytes (4, or 2 compact).
 Bytes per token: S (E + B + C) + 4 (T + 1). From these, kdexp.losses.sampled.weigh rebuilds log p_T of every drawn
 id, log p/q, the importance weights (normalised or not: loss.normalize_weights is read time) and so the loss, as
 `sample_teacher` computes them online, for any cached loss temperature. The draws of global sample i come from the
-generator seeded `draw_seed(layout.draw_seed, i)` (trainer.seed): fixed at build time whatever the DP size or
-micro-batch size, and the same draws are reused every epoch / sweep point (an online run draws afresh per step).
+generator seeded `draw_seed(layout.draw_seed, i)` (data.seed, as the windows: the draws are part of what the cache
+holds, so every trainer.seed of a sweep reads one cache): fixed at build time whatever the DP size or micro-batch
+size, and the same draws are reused every epoch / sweep point (an online run draws afresh per step, from trainer.seed).
 
 Each finished shard gets `shard-0000j.json` (size + sha256 of its files), written atomically after them: a shard
 without one is unfinished and rewritten by a resumed build. `manifest.json` (format, key, layout, every shard's
@@ -40,9 +42,9 @@ import torch
 
 from kdexp.losses.sampled import TeacherDraws, step_seed
 
-# 2: top-K records order tied teacher logits by vocabulary id (the lower id first, as the online loss keeps them);
-# a format-1 cache left ties in torch.topk's order, so its key no longer matches and it is rebuilt
-FORMAT = 2
+# 3: record i is the teacher on training window i (fixed by data.seed), whatever order a run reads the windows in;
+# a format-2 cache held "sample i of the run's shuffled stream" (which followed trainer.seed), so it is not read
+FORMAT = 3
 MANIFEST = "manifest.json"
 VALUE_DTYPES = ("float32", "bfloat16", "float16")
 _VALUE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -72,7 +74,7 @@ def draw_seed(seed: int, sample_index: int) -> int:
 
 @dataclass(frozen=True)
 class Layout:
-    samples: int  # global samples cached: [0, samples)
+    samples: int  # training windows cached: [0, samples)
     seq_length: int
     k_max: int
     temperatures: tuple
@@ -102,6 +104,15 @@ class Layout:
 
     def shard_range(self, j: int) -> range:
         return range(j * self.shard_samples, min(self.samples, (j + 1) * self.shard_samples))
+
+    def grown(self, samples: int) -> "Layout":
+        """This layout over `samples` windows (a cache extended to serve a longer run)."""
+        return Layout.from_json({**self.to_json(), "samples": int(samples)})
+
+    def row_bytes(self) -> dict[str, int]:
+        """File part -> bytes per sample: a shard of n samples holds n times as many (kdexp.teacher.writer checks a
+        kept shard's files against them, so a shard of another sample count is never kept)."""
+        return {part: int(np.prod(shape[1:])) * dt.itemsize for part, (shape, dt) in self.shapes(1).items()}
 
     def bytes_per_token(self) -> int:
         entry = _VALUE_BYTES[self.values] + self.index_bytes
@@ -159,7 +170,7 @@ class Layout:
         if loss.samples is None:
             return Layout(k_max=tc.k_max, **common)
         return Layout(k_max=0, record="sampled", draws=int(loss.samples),
-                      proposal_temperature=float(loss.proposal_temperature), draw_seed=int(cfg.trainer.seed), **common)
+                      proposal_temperature=float(loss.proposal_temperature), draw_seed=int(cfg.data.seed), **common)
 
     @staticmethod
     def from_json(d: dict) -> "Layout":
