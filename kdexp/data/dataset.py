@@ -141,19 +141,20 @@ def _check_enough(train_ds, val_ds, seq_length: int, data_cfg) -> None:
     sample at all. Known only once the corpus is tokenized, so checked here, before any model is built. (A run
     longer than the training split's epoch reads it again, in another order: `ReadOrder`.)"""
     need = seq_length + 1  # a sample: seq_length inputs and the label of the last one
-    for split, ds in (("training", train_ds), ("validation", val_ds)):
+    splits = (("training", train_ds), ("validation", val_ds))
+    passes = [(split, part, tokens) for split, ds in splits if ds is not None for part, tokens in _passes(ds)]
+    if passes:
+        split, part, tokens = min(passes, key=lambda p: p[2])
+        if tokens < need:
+            where = "" if data_cfg.name == "stdlib" else f" ({part.dataset_path})"
+            raise ConfigError(f"data too small for trainer.seq_length={seq_length}: the {split} split{where} holds "
+                              f"{tokens} tokens, fewer than one sample ({need} tokens), so every sample would repeat "
+                              f"the same text; {_fix(data_cfg, split)}, or lower trainer.seq_length to at most "
+                              f"{max(tokens - 1, 1)}")
+    for split, ds in splits:
         if ds is None or len(ds) == 0:
             raise ConfigError(f"data too small for trainer.seq_length={seq_length}: the {split} data gives 0 "
                               f"samples (needs 1); {_fix(data_cfg, split)}, or lower trainer.seq_length")
-    passes = [(split, part, tokens) for split, ds in (("training", train_ds), ("validation", val_ds))
-              for part, tokens in _passes(ds)]
-    split, part, tokens = min(passes, key=lambda p: p[2])
-    if tokens < need:
-        where = "" if data_cfg.name == "stdlib" else f" ({part.dataset_path})"
-        raise ConfigError(f"data too small for trainer.seq_length={seq_length}: the {split} split{where} holds "
-                          f"{tokens} tokens, fewer than one sample ({need} tokens), so every sample would repeat "
-                          f"the same text; {_fix(data_cfg, split)}, or lower trainer.seq_length to at most "
-                          f"{max(tokens - 1, 1)}")
 
 
 # ---------------------------------------------------------------------------------------------------- prepare
