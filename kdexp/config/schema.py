@@ -101,6 +101,10 @@ class TeacherConfig:
     once (under a lock) by the first run that needs it."""
 
     name: str = "online"  # online | cached
+    # cached: what is stored per token: topk (top-K_max logits + log-sum-exps) | sampled (sampled KD's draws) | hidden
+    # (the teacher's final hidden states: its logits formed in the step with its own output layer, so every loss,
+    # K, nucleus and temperature is served); null = by the loss (sampled with loss.samples, else topk)
+    store: Optional[str] = None
     k_max: int = 1024  # cached: top-K stored per token; serves any loss.top_k <= k_max (unused by sampled KD)
     temperatures: List[float] = field(default_factory=lambda: [1.0])  # cached: the loss.temperature values served
     dtype: str = "float32"  # cached: values stored as float32 (exact) | bfloat16 | float16 (compact)

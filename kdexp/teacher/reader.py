@@ -119,7 +119,7 @@ class TeacherCache:
         """The stored record of global samples `sample_index` ([b] ints) at a cached `temperature`
         (kdexp.teacher.format.decode_record): topk -> (values [b, s, K] float32, indices [b, s, K] long, lse [b, s],
         lse_rest [b, s]); sampled -> kdexp.losses.sampled.TeacherDraws."""
-        ti = self.temperature_index(temperature)
+        ti = None if self.layout.record == "hidden" else self.temperature_index(temperature)  # hidden: any T
         idx = [int(i) for i in (sample_index.tolist() if torch.is_tensor(sample_index) else sample_index)]
         lay = self.layout
         if any(not 0 <= i < lay.samples for i in idx):
@@ -130,6 +130,8 @@ class TeacherCache:
                                       for part in fmt.RECORD_PARTS[lay.record]}, ti)
         if device is None:
             return out
+        if torch.is_tensor(out):
+            return out.to(device, non_blocking=True)
         moved = [t.to(device, non_blocking=True) for t in out]
         return type(out)(*moved) if hasattr(out, "_fields") else tuple(moved)
 

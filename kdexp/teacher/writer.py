@@ -10,8 +10,9 @@ max_steps x global batch positions reads windows [0, data.windows(positions)) in
 - extended, not rebuilt: a run that reads more windows than the cache holds writes only the missing ones (the short
   last shard again, then new shards); one that reads fewer reads its prefix;
 
-- the record type follows the loss: "topk" for the logit losses, "sampled" when loss.samples is set (the draws made
-  here, once, per global sample: kdexp.teacher.format);
+- the record type is teacher.store, by default the loss's: "topk" for the logit losses, "sampled" when loss.samples
+  is set (the draws made here, once, per window: kdexp.teacher.format); "hidden" (the teacher's final hidden states,
+  any loss) when asked for;
 - keyed (`cache_key`): teacher identity (handed in by whoever made the teacher), data fingerprint, data.seed and the
   epoch's windows, seq length, vocabulary, record type and its own entries (K_max; or loss.samples,
   loss.proposal_temperature and the draw seed), temperatures, value dtype.
@@ -56,11 +57,17 @@ SHARD_END_HOOKS: list[Callable[[int], None]] = []
 KEY_FILE = "key.json"  # written when a build starts
 
 
-def layout_for(cfg, data) -> fmt.Layout:
-    """The run's cache layout (fmt.Layout.from_config) over the windows the run's steps read."""
+def layout_for(cfg, data, teacher=None) -> fmt.Layout:
+    """The run's cache layout (fmt.Layout.from_config) over the windows the run's steps read; a hidden store takes
+    the `teacher` model's hidden size and params dtype."""
     t = cfg.trainer
     global_batch = t.global_batch_size or t.micro_batch_size * distributed.state().dp_size  # as the trainer reads
-    return fmt.Layout.from_config(cfg, data.vocab_size, data.windows(t.max_steps * global_batch))
+    hidden = {}
+    if teacher is not None and fmt.Layout.store(cfg) == "hidden":
+        dtype = next(teacher.parameters()).dtype
+        hidden = {"hidden_size": int(teacher.kdexp_spec.hidden_size),
+                  "hidden_dtype": {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]}
+    return fmt.Layout.from_config(cfg, data.vocab_size, data.windows(t.max_steps * global_batch), **hidden)
 
 
 def cache_key(cfg, data, layout: fmt.Layout, teacher_identity: dict) -> dict:
@@ -132,7 +139,10 @@ def write_shard(path: Path, j: int, layout: fmt.Layout, teacher, dataset, micro_
     for b0 in range(rng.start, rng.stop, micro_batch_size):
         ids = range(b0, min(rng.stop, b0 + micro_batch_size))
         tokens = torch.stack([torch.as_tensor(dataset[i]["tokens"]) for i in ids]).long().to(st.device)
-        rec = teacher_record(layout, models.vocab_parallel_logits(teacher, tokens), ids)
+        if layout.record == "hidden":  # after the final norm, before the output layer: [s, b, h] -> [b, s, h]
+            rec = models.final_hidden(teacher, tokens)[0].transpose(0, 1)
+        else:
+            rec = teacher_record(layout, models.vocab_parallel_logits(teacher, tokens), ids)
         if writer:
             o = slice(ids.start - rng.start, ids.stop - rng.start)
             for part, a in fmt.encode_record(layout, rec).items():
@@ -246,7 +256,7 @@ def _extend(cache: TeacherCache, key: dict, layout: fmt.Layout, teacher, dataset
 def ensure(cfg, data, teacher, teacher_identity: dict) -> TeacherCache:
     """The run's teacher cache (built first, under the cache's lock, when missing or unfinished). Every rank.
     ``teacher_identity`` keys the cache by the teacher's weights (see cache_key)."""
-    layout = layout_for(cfg, data)
+    layout = layout_for(cfg, data, teacher)
     key = cache_key(cfg, data, layout, teacher_identity)
     return ensure_at(cache_location(cfg, key), key, layout, teacher, data.train_ds, cfg.trainer.micro_batch_size)
 
