@@ -195,12 +195,15 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     # teacher=cached: no teacher forward in the train step (a hidden store still forms the teacher's logits)
     layout = _cache_layout(cfg, student.vocab_size, teacher.hidden_size, "float32" if e == 4 else "bfloat16")
     head_only = layout is not None and layout.record == "hidden"
+    # what the step holds of the teacher's side: a record decoded from the cache, or (online, or a hidden store: its
+    # hidden states formed into logits by the teacher's head) the teacher's logits / final hidden states
+    record = None if layout is None or head_only else layout.decoded_bytes_per_token()
     logits_dtype = torch.float32 if e == 4 else torch.bfloat16
     logits = sizing.logits_bytes(tokens, vocab, e, needs_lm=needs_lm, kd_saved=kd_saved,
                                  chunk_rows=_chunk_rows(tokens, vocab),
                                  kept=0 if top_k is None and top_p is None else (top_k or TOP_P_INITIAL_K),
                                  cut=top_p is not None,
-                                 cache_record=None if layout is None else layout.decoded_bytes_per_token(),
+                                 cache_record=record,
                                  held=top_k is not None and holds_gradient(top_p, tp, logits_dtype))
     shape = f"[{tokens}, {vocab}]"
     from kdexp.losses.chunking import head_rows
@@ -217,7 +220,7 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
             chunk.pop("teacher logits")
         logits = sizing.fused_head_bytes(tokens, vocab, student.hidden_size, teacher.hidden_size, e,
                                          chunk_rows=rows, chunk=chunk,
-                                         cache_record=None if layout is None else layout.decoded_bytes_per_token())
+                                         cache_record=record)
         notes = {"teacher hidden states": f"[{tokens}, {teacher.hidden_size}] {dt}",
                  "teacher cache record": None if layout is None else
                  f"{layout.describe()} per token, as read (fp32 values, int64 ids); teacher weights kept for eval",
