@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 TINY = {
     "data": {"name": "stdlib", "vocab_size": 512, "max_chars": 120_000, "val_fraction": 0.1},
     "model": {"teacher": "tiny-teacher", "embedded_teacher": "pretrain", "teacher_pretrain_steps": 4,
-              "teacher_pretrain_micro_batch_size": 2},
+              "teacher_pretrain_micro_batch_size": 2, "teacher_pretrain_seq_length": 32},
     "trainer": {"seq_length": 32, "micro_batch_size": 2, "seed": 3, "eval_iters": 1},
 }
 
@@ -41,7 +41,7 @@ def prepare_and_teacher(cfg):
     from kdexp.train.teacher import get_teacher, pretrained_teacher_dir
 
     t = cfg.trainer
-    data = prepare(cfg.data, seq_length=t.seq_length, cache_dir=cfg.paths.cache, seed=t.seed,
+    data = prepare(cfg.data, seq_length=t.seq_length, cache_dir=cfg.paths.cache, seed=cfg.data.seed,
                    train_samples=cfg.model.teacher_pretrain_steps * t.micro_batch_size,
                    val_samples=t.eval_iters * t.micro_batch_size)
     get_teacher(cfg, data)

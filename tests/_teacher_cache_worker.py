@@ -20,7 +20,7 @@ import torch
 
 VOCAB, SEQ, SAMPLES, SHARD = 300, 6, 10, 3  # 300 > 256: two-byte indices; 4 shards, the last one short
 K_MAX, TEMPS = 12, (1.0, 2.0)
-DRAW_SEED = 1234  # a sampled cache's trainer.seed
+DRAW_SEED = 1234  # a sampled cache's data.seed
 
 
 class FakeTeacher(torch.nn.Module):
@@ -61,8 +61,8 @@ def layout(values: str = "float32", **sampled):
 
 def key(layout, **changes):
     """Like kdexp.teacher.writer.cache_key: the record's own entries (k_max, or the draws') and the common ones."""
-    return {"teacher": "fake", "record": layout.record, **layout.key_entries(),
-            "temperatures": list(layout.temperatures), "values": layout.values, "samples": layout.samples, **changes}
+    return {"teacher": "fake", "data.seed": 1234, "record": layout.record, **layout.key_entries(),
+            "temperatures": list(layout.temperatures), "values": layout.values, **changes}
 
 
 def main(argv=None) -> None:

@@ -96,6 +96,7 @@ BAD = [
     (["trainer.grad_clip=-1"], "trainer.grad_clip", ">= 0"),
     (["trainer.seed=-1"], "trainer.seed", r"\[0, 4294967295\]"),
     (["trainer.seed=4294967296"], "trainer.seed", r"\[0, 4294967295\]"),
+    (["data.seed=-1"], "data.seed", r"\[0, 4294967295\]"),
     (["trainer.warmup_steps=-1"], "trainer.warmup_steps", ">= 0"),
     (["trainer.warmup_steps=201"], "trainer.warmup_steps", r"trainer.max_steps=200"),
     (["trainer.max_steps=0"], "trainer.max_steps", ">= 1"),
@@ -170,6 +171,10 @@ BAD = [
     (["model.teacher_pretrain_warmup_fraction=1.0"], "model.teacher_pretrain_warmup_fraction", r"\[0, 1\)"),
     (["model.teacher_pretrain_micro_batch_size=0"], "model.teacher_pretrain_micro_batch_size", ">= 1"),
     (["model.teacher_pretrain_weight_decay=-0.1"], "model.teacher_pretrain_weight_decay", ">= 0"),
+    (["model.teacher_pretrain_seed=4294967296"], "model.teacher_pretrain_seed", r"\[0, 4294967295\]"),
+    (["model.teacher_pretrain_seq_length=0"], "model.teacher_pretrain_seq_length", ">= 1"),
+    (["model.embedded_teacher=pretrain", "model.teacher_pretrain_seq_length=100000"],
+     "model.teacher_pretrain_seq_length", "must be <= the teacher's max_position_embeddings"),
     # parallel
     (["parallel.tensor=3"], "parallel.tensor", "teacher's 4 attention heads"),
     (["parallel.tensor=0"], "parallel.tensor", ">= 1"),

@@ -18,6 +18,7 @@ import kdexp.data.sources as sources_mod
 from kdexp.config import DataConfig, tokens
 from kdexp.data import atomic_dir, batches, build_cached, cached_path, embedded_corpus, embedded_documents
 from kdexp.data import prepare as data_prepare
+from kdexp.data.dataset import ReadOrder
 from kdexp.data.cache import cache_dir
 from kdexp.distributed.testing import free_port
 from kdexp.data.indexed import read_indexed, tokenize_to_indexed
@@ -178,6 +179,45 @@ def test_prepare_seed_determinism(tmp_path, small):
     assert not all(torch.equal(a, other.train_ds[i]["tokens"]) for i, a in enumerate(first))
 
 
+def test_the_samples_do_not_move_with_the_run_length(tmp_path, small):
+    """data.seed fixes the training windows: one epoch of them, whatever the run reads (a run 100x longer than the
+    epoch gets the same windows, not megatron's re-cut multi-epoch ones); the fingerprint names seed and length."""
+    bundle, root = small
+    longer = prepare(SMALL, seq_length=SEQ, cache_dir=root, seed=7, train_samples=100 * len(bundle.train_ds),
+                     val_samples=20)
+    assert len(longer.train_ds) == len(bundle.train_ds) and longer.fingerprint == bundle.fingerprint
+    assert torch.equal(_stream(longer.train_ds, len(longer.train_ds)), _stream(bundle.train_ds, len(longer.train_ds)))
+    other = prepare(SMALL, seq_length=SEQ, cache_dir=root, seed=8, train_samples=300, val_samples=20)
+    assert other.fingerprint != bundle.fingerprint and other.source == bundle.source and other.seed == 8
+
+
+def test_read_order_permutes_the_fixed_windows_per_epoch(small):
+    """trainer.seed picks the order only: every epoch of a ReadOrder reads each of the first `windows` windows once
+    (numpy's permutation of (seed, epoch), recomputed here), items are the dataset's own windows, another seed reads
+    the same set in another order, and a run shorter than an epoch reads only the first windows."""
+    ds = small[0].train_ds
+    n = 20
+    orders = {seed: ReadOrder(ds, windows=n, seed=seed, positions=2 * n + 5) for seed in (1, 2)}
+    for seed, order in orders.items():
+        assert len(order) == 2 * n + 5 and order.n == n
+        read = [order.order(p) for p in range(2 * n + 5)]
+        for e in range(3):
+            want = numpy.random.default_rng([seed, e]).permutation(n)
+            assert read[e * n:(e + 1) * n] == want[:len(read[e * n:(e + 1) * n])].tolist()
+        assert sorted(read[:n]) == sorted(read[n:2 * n]) == list(range(n)) and read[:n] != read[n:2 * n]
+        item = order[7]
+        assert item["sample_index"] == read[7] and torch.equal(item["tokens"], ds[read[7]]["tokens"])
+    assert [orders[1].order(p) for p in range(n)] != [orders[2].order(p) for p in range(n)]
+    epochs = small[0].read_order(3 * len(ds), 5)
+    assert epochs.n == len(ds) and len(epochs) == 3 * len(ds)
+    short = small[0].read_order(6, 3)
+    assert short.n == 6
+    assert sorted(short.order(p) for p in range(6)) == list(range(6))
+    b = next(batches(short, micro_batch_size=3, dp_rank=1, dp_size=2))
+    assert b["sample_index"].tolist() == [short.order(p) for p in (3, 4, 5)]
+    assert torch.equal(b["tokens"], _stream(ds, len(ds))[b["sample_index"]])
+
+
 # ------------------------------------------------------------------------------------------------ batches
 
 def _stream(ds, n):
@@ -275,7 +315,8 @@ def test_indexed_missing_prefix(tmp_path, small):
 
 def test_too_few_samples_is_an_error(tmp_path):
     cfg = {"name": "stdlib", "vocab_size": 512, "max_chars": 120_000}
-    with pytest.raises(ValueError, match="validation data"):
+    with pytest.raises(ValueError, match="data too small for trainer.seq_length=100000: the (training|validation) "
+                                         "split holds"):
         prepare(cfg, seq_length=100_000, cache_dir=tmp_path, seed=1, train_samples=1, val_samples=None)
 
 

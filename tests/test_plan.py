@@ -176,6 +176,21 @@ def test_a_cached_teacher_is_planned_as_its_record_not_its_forward(overrides, pe
     assert cached.flops["student"] == online.flops["student"]
 
 
+@pytest.mark.parametrize("fused", ["true", "false"])
+def test_a_hidden_store_is_planned_as_the_teachers_head_without_its_layers(fused):
+    """teacher.store=hidden: the step holds the teacher's final hidden states (as online, fused) or its whole logits
+    (reference path) and runs the teacher's output layer, 2 H V FLOPs per token, but not its layers (no teacher
+    forward phase); its weights stay."""
+    online = make_plan(_cfg(f"loss.fused_head={fused}"))
+    hidden = make_plan(_cfg("teacher=cached", "teacher.store=hidden", f"loss.fused_head={fused}"))
+    items, ref = ({name: b for name, b, _ in p.items} for p in (hidden, online))
+    kept = "teacher hidden states" if fused == "true" else "teacher logits"
+    assert items[kept] == ref[kept] and "teacher cache record" not in items and "teacher forward layer" not in items
+    assert items["teacher weights"] == ref["teacher weights"]
+    assert hidden.flops["teacher"] == 2 * 256 * 2048  # tiny-teacher H 256, smoke vocabulary 2,048
+    assert hidden.flops["student"] == online.flops["student"] and 0 < hidden.flops["teacher"] < online.flops["teacher"]
+
+
 @pytest.mark.parametrize("record", ["topk", "sampled"])
 def test_the_decoded_record_size_is_what_decode_record_returns(record):
     """Layout.decoded_bytes_per_token (the plan's item) against the tensors decode_record builds from a shard's

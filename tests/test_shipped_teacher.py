@@ -63,7 +63,10 @@ def test_its_recipe_reproduces_the_recorded_settings():
     cfg = _cfg(*rec["overrides"])
     validate(cfg)
     assert recipe(cfg) == rec["recipe"]
-    assert cfg.trainer.seq_length == rec["seq_length"] and cfg.trainer.seed == rec["seed"]
+    # its sample length and its own seed (kdexp.bench.teacher --curve pretrains as get_teacher does)
+    from kdexp.train.teacher import pretrain_seq_length
+
+    assert pretrain_seq_length(cfg) == rec["seq_length"] and cfg.model.teacher_pretrain_seed == rec["seed"]
     assert rec["command"].startswith("python -m kdexp.bench.teacher --curve") and "--save" in rec["command"]
     # the measurement taken as saved (bfloat16 weights reloaded) meets the bar too
     got = rec["reloaded"]

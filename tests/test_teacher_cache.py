@@ -69,7 +69,7 @@ def test_read_back_is_the_record(tmp_path, values):
     assert data == w.SAMPLES * w.SEQ * cache.layout.bytes_per_token()
     with pytest.raises(ValueError, match=r"loss.temperature=3.0 is invalid: .* holds temperatures \[1.0, 2.0\]"):
         cache.read([0], 3.0)
-    with pytest.raises(IndexError, match=r"outside the teacher cache's \[0, 10\)"):
+    with pytest.raises(IndexError, match=r"outside the teacher cache's windows \[0, 10\)"):
         cache.read([10], 1.0)
 
 
@@ -177,9 +177,57 @@ def test_another_key_is_refused_naming_what_differs(tmp_path):
         TeacherCache(path, w.key(lay, k_max=16))
     with pytest.raises(CacheMismatch, match=r"teacher: cache 'fake', this run 'other'"):
         _build(path, teacher="other")
+    with pytest.raises(CacheMismatch, match=r"data.seed: cache 1234, this run 7"):
+        _build(path, **{"data.seed": 7})
     (path / "manifest.json").unlink()  # unfinished: its shards must not be resumed for another key either
     with pytest.raises(CacheMismatch, match=r"unfinished .* \(teacher: cache 'fake', this run 'third'\)"):
         _build(path, teacher="third")
+
+
+@pytest.mark.parametrize("record", ["topk", "sampled"])
+def test_a_longer_run_extends_the_cache_and_a_shorter_one_reads_its_prefix(tmp_path, caplog, record):
+    """Indexed by sample: a run that reads 7 windows builds shards 0, 1 and a short shard 2; one that reads all 10
+    keeps shards 0 and 1 as they are (same files), writes shard 2 again and the new shard 3, and ends byte for byte
+    equal to a cache built for 10 at once; one that reads 5 afterwards builds nothing and reads the prefix."""
+    full = _layout(record)
+    short = full.grown(7)
+    path = tmp_path / "c"
+    _build(path, layout=short)
+    kept = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in path.glob("shard-0000[01].*")}
+    with caplog.at_level("INFO", logger="kdexp"):
+        cache = _build(path, layout=full)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "extending" in said and "from 7 to 10 windows (keeping 2 of its 3 shards)" in said, said
+    assert "shard 1/4 written" not in said and "shard 3/4 written" in said and "shard 4/4 written" in said
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in path.glob("shard-0000[01].*")} == kept
+    assert cache.layout.samples == 10 and "training windows [0, 10)" in fmt_manifest(path)["holds"]
+    fresh = _build(tmp_path / "fresh", layout=full)
+    assert _shard_digests(path) == _shard_digests(fresh.path)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="kdexp"):
+        again = _build(path, layout=full.grown(5))
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "reusing" in said and "windows [0, 10) of which this run reads [0, 5)" in said and "written" not in said
+    got, want = again.read([4, 0, 9], 1.0), fresh.read([4, 0, 9], 1.0)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def fmt_manifest(path):
+    import json
+
+    return json.loads((Path(path) / fmt.MANIFEST).read_text())
+
+
+def test_a_cache_of_another_format_is_refused_naming_it(tmp_path):
+    import json
+
+    path = tmp_path / "c"
+    _build(path)
+    manifest = fmt_manifest(path)
+    (path / fmt.MANIFEST).write_text(json.dumps({**manifest, "format": 2}))
+    with pytest.raises(CacheMismatch, match=r"is of format 2, this kdexp reads format 3 \(records indexed by "
+                                            r"training window\)"):
+        TeacherCache(path)
 
 
 def _worker(path, *args, check=True):

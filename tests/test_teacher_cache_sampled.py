@@ -2,7 +2,7 @@
 tests/_teacher_cache_worker.py.
 
 Exactness: for every global sample i, the fp32 cache holds the draws `sample_teacher` makes online from the same
-teacher logits with seed draw_seed(trainer.seed, i) (ids and counts bit-equal), and the trainer's objective on the
+teacher logits with seed draw_seed(data.seed, i) (ids and counts bit-equal), and the trainer's objective on the
 cache gives the loss, student gradient and stats of `sampled_kd_loss` on those online draws within 1e-5 relative, at a
 proposal temperature equal to and different from the loss temperature, weights normalised or not, at both cached
 temperatures. A compact bf16 cache within a stated tolerance. The draws do not depend on the micro-batch size; the
@@ -161,10 +161,10 @@ def test_the_config_chooses_the_record():
 
     from kdexp.teacher import writer
 
-    data = SimpleNamespace(vocab_size=2048, fingerprint="data", train_ds=range(100))
+    data = SimpleNamespace(vocab_size=2048, fingerprint="data", train_ds=range(100), windows=lambda n: min(n, 100))
     with lone_process(seed=0):
         topk = writer.layout_for(cfg_of("teacher=cached"), data)
-        cfg = cfg_of("teacher=cached", "loss=sampled", "loss.proposal_temperature=1.5", "trainer.seed=7",
+        cfg = cfg_of("teacher=cached", "loss=sampled", "loss.proposal_temperature=1.5", "data.seed=7",
                      "teacher.k_max=5")
         sampled = writer.layout_for(cfg, data)
         key = writer.cache_key(cfg, data, sampled, "fake")
@@ -173,6 +173,6 @@ def test_the_config_chooses_the_record():
     assert (sampled.record, sampled.draws, sampled.proposal_temperature, sampled.draw_seed) == ("sampled", 64, 1.5, 7)
     assert sampled.bytes_per_token() == 456  # 64 x (4 + 2 + 1) + 2 x 4: 13x below top-1024's 6,152
     assert key["record"] == "sampled" and key["loss.samples"] == 64 and key["loss.proposal_temperature"] == 1.5
-    assert key["draw_seed"] == 7 and "k_max" not in key
+    assert key["draw_seed"] == key["data.seed"] == 7 and "k_max" not in key  # the draws are data.seed's
     assert topk_key["record"] == "topk" and topk_key["k_max"] == 1024 and "loss.samples" not in topk_key
     assert fmt.Layout.from_json(sampled.to_json()) == sampled and "draws" not in topk.to_json()

@@ -12,8 +12,9 @@ trainer's own (kdexp.train.loop.setup).
 interleaved rotation, on the same batches: ``--versus model.attention=megatron`` is the embedded default's step with
 SDPA against megatron's attention, ``--versus loss.fused_head=false`` the fused head against the logits path.
 
-With ``teacher=cached`` the KD step reads the offline teacher cache (built first if missing) and the baseline is the
-LM-only student step (no teacher at all): the ratio is what distilling from the cache costs over plain training.
+With ``teacher=cached`` the KD step reads the offline teacher cache (built first if missing; any ``teacher.store``: a
+hidden store's step also forms the teacher's logits with its output layer) and the baseline is the LM-only student
+step (no teacher at all): the ratio is what distilling from the cache costs over plain training.
 
 With ``rollout=on_policy`` an on-policy step joins the rotation, timed in three parts on the same batches: generation
 (the student continues the prompts, KV cache), teacher scoring (its forward on the rollouts) and the update (student
@@ -73,8 +74,10 @@ def main(argv=None) -> None:
     def kd_step(i, batch):
         driver.step(i, batch)
 
-    def baseline_step(i, batch):  # the teacher's side (a forward; nothing for a cache) + the LM-only student step
-        driver.lm_step(i, batch, teacher=True)
+    cached = cfg.teacher.name == "cached"
+
+    def baseline_step(i, batch):  # the teacher's forward (none from a cache, of any store) + the LM-only student step
+        driver.lm_step(i, batch, teacher=not cached)
 
     variants = [("baseline", baseline_step), ("kd", kd_step)]
     if versus is not None:
@@ -118,7 +121,7 @@ def main(argv=None) -> None:
         print(f"loss={cfg.loss.name} top_k={cfg.loss.top_k} top_p={cfg.loss.top_p} vocab={s.data.vocab_size} "
               f"tokens/step={tokens} device={st.device} steps={args.steps} teacher={cfg.teacher.name}")
         print(f"{'variant':<40} {'median ms':>10}")
-        baseline_label, kd_label = LABELS[s.objective.teacher.kind]
+        baseline_label, kd_label = LABELS[cfg.teacher.name]
         print(f"{baseline_label:<40} {1000 * base:>10.1f}")
         print(f"{kd_label:<40} {1000 * kd:>10.1f}")
         if versus is not None:

@@ -137,14 +137,15 @@ def _curve(cfg, args) -> dict:
     ``args.curve`` steps; prints one line per measurement, CPU seconds (process time) beside wall seconds because a
     shared machine stretches the latter."""
     from kdexp.data import prepare
-    from kdexp.train.teacher import pretrain
+    from kdexp.train.teacher import pretrain, pretrain_seq_length
 
     st, t = distributed.state(), cfg.trainer
-    # kdexp.train.loop.setup's dataset (its size is part of the teacher's identity)
-    data = prepare(cfg.data, seq_length=t.seq_length, cache_dir=cfg.paths.cache, seed=t.seed,
-                   train_samples=max(t.max_steps, cfg.model.teacher_pretrain_steps) * t.micro_batch_size * st.dp_size,
-                   val_samples=t.eval_iters * t.micro_batch_size * st.dp_size, tokenizer_path=cfg.data.tokenizer)
-    distributed.reseed(t.seed)
+    # the data kdexp.train.teacher.pretrain_data gives get_teacher (its windows: data.seed, its own sample length)
+    data = prepare(cfg.data, seq_length=pretrain_seq_length(cfg), cache_dir=cfg.paths.cache, seed=cfg.data.seed,
+                   train_samples=cfg.model.teacher_pretrain_steps * cfg.model.teacher_pretrain_micro_batch_size
+                   * st.dp_size, val_samples=t.eval_iters * t.micro_batch_size * st.dp_size,
+                   tokenizer_path=cfg.data.tokenizer)
+    distributed.reseed(cfg.model.teacher_pretrain_seed)
     spec = models.get_spec(cfg.model.teacher, vocab_size=data.vocab_size)
     model = models.build(spec, params_dtype=models.DTYPES[cfg.model.params_dtype])
     rows, cpu0, wall0 = [], time.process_time(), time.perf_counter()
@@ -191,9 +192,9 @@ def _save(model, spec, data, cfg, args, rows) -> None:
     reloaded = measure(models.load_hf(out, params_dtype=torch.float32), data.val_ds, samples=args.samples)
     with open(out / "recipe.json", "w") as f:
         json.dump({"command": "python -m kdexp.bench.teacher --curve N --save DIR " + " ".join(args.overrides),
-                   "overrides": list(args.overrides), "recipe": recipe(cfg), "seq_length": cfg.trainer.seq_length,
-                   "seed": cfg.trainer.seed, "data": {"fingerprint": data.fingerprint, "info": data.info,
-                                                      "train_samples": len(data.train_ds)},
+                   "overrides": list(args.overrides), "recipe": recipe(cfg), "seq_length": data.seq_length,
+                   "seed": cfg.model.teacher_pretrain_seed, "data.seed": cfg.data.seed,
+                   "data": {"fingerprint": data.fingerprint, "info": data.info, "train_samples": len(data.train_ds)},
                    "curve": rows, "reloaded": reloaded}, f, indent=1, default=str)
     print(f"saved to {out}: reloaded val LM loss {reloaded['lm_loss']:.3f}, top-1 {reloaded['top1_prob']:.3f}, "
           f"median nucleus {reloaded['nucleus_median']:.0f}", flush=True)

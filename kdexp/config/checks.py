@@ -93,7 +93,8 @@ def _check_trainer(t: Any, max_positions: int) -> None:
 
 
 TEACHERS = ("online", "cached")
-TEACHER_VALUES = ("float32", "bfloat16", "float16")  # kdexp.teacher.format.VALUE_DTYPES (no numpy/torch import here)
+TEACHER_VALUES = ("float32", "bfloat16", "float16")
+TEACHER_STORES = ("topk", "sampled", "hidden")  # kdexp.teacher.format.STORES  # kdexp.teacher.format.VALUE_DTYPES (no numpy/torch import here)
 
 
 def _check_teacher(cfg: Any, vocab: Optional[int]) -> None:
@@ -114,8 +115,15 @@ def _check_teacher(cfg: Any, vocab: Optional[int]) -> None:
     choice("teacher.dtype", tc.dtype, TEACHER_VALUES)
     integer("teacher.shard_samples", tc.shard_samples, ge=1)
     text("teacher.path", tc.path, none_ok=True)
-    if tc.name != "cached":
+    choice("teacher.store", tc.store, (None, *TEACHER_STORES))
+    if tc.name != "cached" or tc.store == "hidden":  # the hidden states serve every loss and temperature
         return
+    if tc.store == "sampled" and loss.samples is None:
+        fail("teacher.store", tc.store, "needs loss.samples (sampled KD, e.g. loss=sampled): a sampled store holds its "
+                                        "draws; use teacher.store=topk or hidden for this loss")
+    if tc.store == "topk" and loss.samples is not None:
+        fail("teacher.store", tc.store, "cannot serve sampled KD (loss.samples is set): use teacher.store=sampled "
+                                        "(the draws) or hidden")
     if float(loss.temperature) not in [float(t) for t in temps]:
         fail("loss.temperature", loss.temperature, f"must be one of the cached teacher.temperatures {temps} with "
                                                    "teacher=cached (add it to teacher.temperatures)")
@@ -291,6 +299,9 @@ def validate(cfg: Any) -> None:
     BalancerOptions.from_config(cfg.balancer).check(prefix="balancer.")
     _check_trainer(cfg.trainer, min(s[3] for s in sizes.values()))
     check_rollout(cfg, min(s[3] for s in sizes.values()))
+    if cfg.model.teacher_pretrain_seq_length > sizes["teacher"][3]:
+        fail("model.teacher_pretrain_seq_length", cfg.model.teacher_pretrain_seq_length,
+             f"must be <= the teacher's max_position_embeddings {sizes['teacher'][3]}")
     _check_parallel(cfg, sizes, teacher_vocab)
     _check_scale(cfg)
     _check_teacher(cfg, teacher_vocab)

@@ -43,8 +43,13 @@ class ModelConfig:
     teacher_pretrain_lr: float = 3e-3
     teacher_pretrain_min_lr: float = 3e-4  # cosine floor after the warmup
     teacher_pretrain_warmup_fraction: float = 0.05  # of the steps, linear (at least one step)
-    teacher_pretrain_micro_batch_size: int = 4  # samples of trainer.seq_length per step and data-parallel rank
+    teacher_pretrain_micro_batch_size: int = 4  # samples per step and data-parallel rank
     teacher_pretrain_weight_decay: float = 0.01
+    # its own seed (its initialisation), not trainer.seed: every replicate of a seed sweep distils the same teacher
+    teacher_pretrain_seed: int = 1234
+    # the length of its samples; a run with a longer trainer.seq_length pretrains at that length instead (a teacher
+    # never trained at a position gives untrained logits there), so the runs at or below it share one teacher
+    teacher_pretrain_seq_length: int = 256
 
 
 @dataclass
@@ -83,6 +88,10 @@ class DataConfig:
     split: str = "969,30,1"  # indexed: train,valid,test split of each prefix
     valid_prefixes: List[str] = field(default_factory=list)  # indexed: separate validation data (then no split)
     max_documents: Optional[int] = None  # stdlib: cap on the number of documents
+    # The samples: megatron's document shuffle and the windows cut from it (one epoch of the training split). Not
+    # trainer.seed, so that every replicate of a seed sweep reads the same windows (in its own order) and one
+    # offline teacher cache serves them all.
+    seed: int = 1234
 
 
 @dataclass
@@ -92,6 +101,10 @@ class TeacherConfig:
     once (under a lock) by the first run that needs it."""
 
     name: str = "online"  # online | cached
+    # cached: what is stored per token: topk (top-K_max logits + log-sum-exps) | sampled (sampled KD's draws) | hidden
+    # (the teacher's final hidden states: its logits formed in the step with its own output layer, so every loss,
+    # K, nucleus and temperature is served); null = by the loss (sampled with loss.samples, else topk)
+    store: Optional[str] = None
     k_max: int = 1024  # cached: top-K stored per token; serves any loss.top_k <= k_max (unused by sampled KD)
     temperatures: List[float] = field(default_factory=lambda: [1.0])  # cached: the loss.temperature values served
     dtype: str = "float32"  # cached: values stored as float32 (exact) | bfloat16 | float16 (compact)
@@ -136,6 +149,8 @@ class TrainerConfig:
     eval_iters: int = 8
     log_interval: int = 10
     checkpoint_interval: int = 50
+    # the replicate: the student's initialisation, dropout, the order the training windows are read in (a permutation
+    # of them per epoch, kdexp.data.ReadOrder) and sampled KD's draws; the samples themselves are data.seed's
     seed: int = 1234
     skip_nonfinite: int = 0  # non-finite steps to skip (no update) before the run stops as diverged
     reuse_finished: bool = True  # in a sweep, a point whose resolved config already finished is not retrained

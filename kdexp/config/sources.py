@@ -155,6 +155,8 @@ def check_model(cfg: Any) -> None:
     number("model.teacher_pretrain_warmup_fraction", m.teacher_pretrain_warmup_fraction, ge=0, lt=1)
     integer("model.teacher_pretrain_micro_batch_size", m.teacher_pretrain_micro_batch_size, ge=1)
     number("model.teacher_pretrain_weight_decay", m.teacher_pretrain_weight_decay, ge=0)
+    integer("model.teacher_pretrain_seed", m.teacher_pretrain_seed, ge=0, lt=2**32)
+    integer("model.teacher_pretrain_seq_length", m.teacher_pretrain_seq_length, ge=1)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -202,6 +204,7 @@ def check_data(cfg: Any) -> None:
     integer("data.max_chars", d.max_chars, ge=1000)
     integer("data.max_documents", d.max_documents, ge=2, none_ok=True)
     number("data.val_fraction", d.val_fraction, gt=0, lt=0.5)
+    integer("data.seed", d.seed, ge=0, lt=2**32)  # numpy's RandomState, which megatron's shuffle uses
     m = _SPLIT.fullmatch(str(d.split))
     parts = [float(x) for x in m.groups()] if m else None
     if parts is None or not sum(parts) > 0:

@@ -11,6 +11,11 @@ Two sources of token files (``data.name``; kdexp.data.sources):
 `data_cfg` is the ``data`` node of the schema (kdexp.config.DataConfig, or its OmegaConf form): its values are
 read as they are, the schema holds every default.
 
+Samples and read order: ``data.seed`` alone fixes the samples (megatron's document shuffle and the windows cut from
+it: one epoch of the training split, whatever the run's length), so an offline teacher cache indexed by sample serves
+every replicate; the trainer's seed only picks the order they are read in (`ReadOrder`: each epoch a permutation of
+the fixed windows), as its initialisation, dropout and draws.
+
 Caches: one process per node builds the tokenizer and token files (kdexp.data.cache: verified manifests,
 one builder under a lock, atomic directories), everyone waits at a barrier and reads. megatron-core's
 GPTDataset then builds its own document/sample/shuffle index cache under <cache>/gpt_index: global rank 0
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
 import torch
 
 from kdexp.data import cache as _cache
@@ -36,7 +42,7 @@ from kdexp.rules import ConfigError, is_int
 from kdexp.data.sources import file_id, indexed_sources, stdlib_sources, train_valid_split
 from kdexp.data.tokenizer import Tokenizer
 
-__all__ = ["DataBundle", "prepare", "batches"]
+__all__ = ["DataBundle", "ReadOrder", "prepare", "batches"]
 
 
 
@@ -48,7 +54,47 @@ class DataBundle:
     vocab_size: int          # embedding rows the models need (>= tokenizer.vocab_size)
     seq_length: int
     info: dict = field(default_factory=dict)   # paths and sizes, for logs
-    fingerprint: str = ""    # sha256 naming the tokenizer + token data: put it in keys of caches built on them
+    fingerprint: str = ""    # sha256 naming the samples (tokenizer, token data, seq length, data.seed): cache keys
+    source: str = ""         # sha256 naming the tokenizer + token data alone (any seq length or data.seed)
+    seed: int = 0            # data.seed: the document shuffle and the windows
+
+    def windows(self, positions: int) -> int:
+        """How many training windows a stream of `positions` samples reads: the first min(positions, epoch) ones
+        (`ReadOrder`), so a run's samples grow with its length and never depend on its read order."""
+        return min(int(positions), len(self.train_ds))
+
+    def read_order(self, positions: int, seed: int) -> "ReadOrder":
+        """The training stream of a run reading `positions` samples in the order trainer.seed `seed` draws."""
+        return ReadOrder(self.train_ds, windows=self.windows(positions), seed=seed, positions=positions)
+
+
+class ReadOrder:
+    """A training stream over fixed windows: position p reads window ``order(p)`` of the first `windows` windows of
+    `ds` (megatron's, fixed by data.seed); epoch e = p // windows reads them in the permutation drawn from (seed, e).
+    Indexable like a dataset (``len`` = positions); each item carries ``sample_index``, the window read, which keys an
+    offline teacher cache. The permutation of an epoch is drawn once and kept (int64, 8 bytes per window)."""
+
+    def __init__(self, ds, *, windows: int, seed: int, positions: int):
+        _check_positive("windows", windows)
+        if windows > len(ds):
+            raise ValueError(f"windows={windows} exceeds the dataset's {len(ds)} samples")
+        self.ds, self.n, self.seed, self.positions = ds, int(windows), int(seed), int(positions)
+        self._perm: dict[int, "np.ndarray"] = {}
+
+    def __len__(self) -> int:
+        return self.positions
+
+    def order(self, p: int) -> int:
+        epoch = p // self.n
+        if epoch not in self._perm:
+            if len(self._perm) > 1:  # a stream moves forward: keep the current and the next epoch only
+                self._perm.pop(min(self._perm))
+            self._perm[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        return int(self._perm[epoch][p % self.n])
+
+    def __getitem__(self, p: int) -> dict:
+        w = self.order(int(p))
+        return {**self.ds[w], "sample_index": w}
 
 
 
@@ -89,26 +135,26 @@ def _fix(data_cfg, split: str) -> str:
     return f"give more data in {keys}" + ("" if data_cfg.valid_prefixes else f" or change data.split={data_cfg.split!r}")
 
 
-def _check_enough(train_ds, val_ds, seq_length: int, train_samples: int, data_cfg) -> None:
+def _check_enough(train_ds, val_ds, seq_length: int, data_cfg) -> None:
     """ConfigError (exit 2, one line) when a split cannot fill one sample of `seq_length` + 1 tokens from one pass
-    over its documents: megatron would repeat the same text inside every sample (a silent wrong job), or give too
-    few samples. Known only once the corpus is tokenized, so checked here, before any model is built."""
+    over its documents: megatron would repeat the same text inside every sample (a silent wrong job), or give no
+    sample at all. Known only once the corpus is tokenized, so checked here, before any model is built. (A run
+    longer than the training split's epoch reads it again, in another order: `ReadOrder`.)"""
     need = seq_length + 1  # a sample: seq_length inputs and the label of the last one
-    for split, ds in (("training", train_ds), ("validation", val_ds)):
-        if ds is None or len(ds) == 0 or (split == "training" and len(ds) < train_samples):
-            have = 0 if ds is None else len(ds)
-            raise ConfigError(f"data too small for trainer.seq_length={seq_length}: the {split} data gives {have} "
-                              f"samples (needs {train_samples if split == 'training' else 1}); "
-                              f"{_fix(data_cfg, split)}, or lower trainer.seq_length")
-    passes = [(split, part, tokens) for split, ds in (("training", train_ds), ("validation", val_ds))
-              for part, tokens in _passes(ds)]
-    split, part, tokens = min(passes, key=lambda p: p[2])
-    if tokens < need:
-        where = "" if data_cfg.name == "stdlib" else f" ({part.dataset_path})"
-        raise ConfigError(f"data too small for trainer.seq_length={seq_length}: the {split} split{where} holds "
-                          f"{tokens} tokens, fewer than one sample ({need} tokens), so every sample would repeat "
-                          f"the same text; {_fix(data_cfg, split)}, or lower trainer.seq_length to at most "
-                          f"{max(tokens - 1, 1)}")
+    splits = (("training", train_ds), ("validation", val_ds))
+    passes = [(split, part, tokens) for split, ds in splits if ds is not None for part, tokens in _passes(ds)]
+    if passes:
+        split, part, tokens = min(passes, key=lambda p: p[2])
+        if tokens < need:
+            where = "" if data_cfg.name == "stdlib" else f" ({part.dataset_path})"
+            raise ConfigError(f"data too small for trainer.seq_length={seq_length}: the {split} split{where} holds "
+                              f"{tokens} tokens, fewer than one sample ({need} tokens), so every sample would repeat "
+                              f"the same text; {_fix(data_cfg, split)}, or lower trainer.seq_length to at most "
+                              f"{max(tokens - 1, 1)}")
+    for split, ds in splits:
+        if ds is None or len(ds) == 0:
+            raise ConfigError(f"data too small for trainer.seq_length={seq_length}: the {split} data gives 0 "
+                              f"samples (needs 1); {_fix(data_cfg, split)}, or lower trainer.seq_length")
 
 
 # ---------------------------------------------------------------------------------------------------- prepare
@@ -137,9 +183,10 @@ def prepare(data_cfg, *, seq_length: int, cache_dir=None, seed: int, train_sampl
             val_samples: int | None, tokenizer_path=None) -> DataBundle:
     """Build (or load from cache) the tokenizer and the train/validation GPTDatasets; see module doc.
 
-    `train_samples`/`val_samples` are the minimum numbers of `seq_length` samples each split must supply
-    (megatron repeats the data in shuffled epochs to reach them; ``val_samples=None`` = exactly one epoch of
-    validation). `tokenizer_path` is the checkpoint directory whose tokenizer to use (for data.name=stdlib it
+    The training split is one epoch of windows, fixed by `seed` (data.seed) and `seq_length` alone; a run reads
+    `train_samples` positions of it through `DataBundle.read_order` (a weighted blend, which megatron cannot size
+    otherwise, is built for `train_samples`). `val_samples` is the minimum number of validation samples (megatron
+    repeats the data in shuffled epochs to reach it; ``None`` = exactly one epoch). `tokenizer_path` is the checkpoint directory whose tokenizer to use (for data.name=stdlib it
     replaces the trained BPE; for indexed, data.tokenizer wins when both are set). Call it on every rank.
     """
     _check_positive("seq_length", seq_length)
@@ -181,8 +228,10 @@ def prepare(data_cfg, *, seq_length: int, cache_dir=None, seed: int, train_sampl
     weighted = any(b is not None and b[1] is not None for b in ([blend] if blend else blend_per_split or []))
     if weighted and val_samples is None:  # megatron cannot size a weighted blend without a sample count
         raise ValueError("val_samples must be set (not None) when data.prefixes has weights")
-    # No test split is used: size 0 keeps megatron's weighted-blend bookkeeping happy.
-    sizes = [int(train_samples), None if val_samples is None else int(val_samples), 0]
+    # No test split is used: size 0 keeps megatron's weighted-blend bookkeeping happy. The training split is one epoch
+    # (None): its windows then do not move with the run's length (megatron shuffles the documents of all its epochs
+    # together, so two epochs cut other windows than one).
+    sizes = [int(train_samples) if weighted else None, None if val_samples is None else int(val_samples), 0]
     builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config)
     dist = _cache._dist()
     if dist is not None and dist.get_rank() != 0:
@@ -190,11 +239,12 @@ def prepare(data_cfg, *, seq_length: int, cache_dir=None, seed: int, train_sampl
     else:
         with _cache.file_lock(index_cache / ".lock"), _single_process_group(weighted and dist is None):
             train_ds, val_ds, _ = builder.build()
-    _check_enough(train_ds, val_ds, seq_length, train_samples, data_cfg)
+    _check_enough(train_ds, val_ds, seq_length, data_cfg)
     info.update(train_samples=len(train_ds), val_samples=len(val_ds), gpt_index=str(index_cache))
-    fingerprint = _cache.cache_key({"tokenizer": tokenizer.sha256, "eod": tokenizer.eod, "data": data_id,
-                                    "seq_length": int(seq_length), "seed": int(seed)})
-    return DataBundle(tokenizer, train_ds, val_ds, int(vocab), int(seq_length), info, fingerprint)
+    source = _cache.cache_key({"tokenizer": tokenizer.sha256, "eod": tokenizer.eod, "data": data_id})
+    fingerprint = _cache.cache_key({"source": source, "seq_length": int(seq_length), "seed": int(seed),
+                                    "train_samples": len(train_ds)})  # a weighted blend's size moves its windows
+    return DataBundle(tokenizer, train_ds, val_ds, int(vocab), int(seq_length), info, fingerprint, source, int(seed))
 
 
 # ---------------------------------------------------------------------------------------------------- batches
@@ -203,12 +253,12 @@ def batches(ds, *, micro_batch_size: int, dp_rank: int, dp_size: int, start_samp
             ) -> Iterator[dict[str, torch.Tensor]]:
     """Micro-batches of `ds` for data-parallel rank `dp_rank` of `dp_size`, from global sample `start_sample`.
 
-    The global stream is ds[start_sample], ds[start_sample + 1], ... (megatron already shuffled it with the
-    seed). Step t's global batch is the next micro_batch_size * dp_size samples; rank r takes the r-th
+    The global stream is ds[start_sample], ds[start_sample + 1], ... (a `ReadOrder` for the training stream, or a
+    megatron dataset read in its own order). Step t's global batch is the next micro_batch_size * dp_size samples; rank r takes the r-th
     contiguous slice of micro_batch_size. So resuming after `k` consumed samples is ``start_sample=k``, and
     every rank yields the same number of batches (the last incomplete global batch is dropped).
     Each batch: tokens, labels (tokens shifted by one), position_ids [b, s] long, loss_mask [b, s] float and
-    sample_index [b] long (the global sample ids).
+    sample_index [b] long (the samples read: the window a `ReadOrder` item names, else the index itself).
     """
     _check_positive("micro_batch_size", micro_batch_size)
     _check_positive("dp_size", dp_size)
@@ -226,7 +276,9 @@ def batches(ds, *, micro_batch_size: int, dp_rank: int, dp_size: int, start_samp
             "labels": torch.stack([it["labels"] for it in items]).long(),
             "loss_mask": torch.stack([it["loss_mask"] for it in items]).float(),
             "position_ids": torch.stack([it["position_ids"] for it in items]).long(),
-            # global sample ids: where an offline teacher cache (kdexp.teacher) keeps these samples' records
-            "sample_index": torch.arange(first, first + micro_batch_size, dtype=torch.long),
+            # the samples' ids: where an offline teacher cache (kdexp.teacher) keeps their records
+            "sample_index": torch.tensor([it.get("sample_index", i) for i, it in zip(range(first, first +
+                                                                                           micro_batch_size), items)],
+                                         dtype=torch.long),
         }
         first += global_batch

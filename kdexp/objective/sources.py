@@ -5,7 +5,8 @@
   outputs the hidden-state losses read and, for a cached teacher, the cache keys.
 - ``forward``: a model's forward into a ModelOut.
 - ``TEACHERS``: teacher.name -> the teacher source: "online" (the frozen teacher model runs on the batch) or
-  "cached" (an offline teacher cache, kdexp.teacher, built or verified when the source is made), each made once per
+  "cached" (an offline teacher cache, kdexp.teacher, built or verified when the source is made; with
+  teacher.store=hidden its hidden states + the teacher's output layer, read by the online terms), each made once per
   run: a factory is called ``(cfg, data, teacher_model, fused=, layers=, opts=, identify=)`` with the run's parsed
   loss options; ``identify()`` returns what names the teacher's weights (the cache's key), asked only by a source
   that needs it.
@@ -120,6 +121,32 @@ class CachedTeacher:
         return ModelOut(sample_index=batch["sample_index"])
 
 
+class HiddenCacheTeacher:
+    """teacher.store=hidden: the teacher's final hidden states of the batch's samples, read from an offline cache, and
+    the teacher's own output layer (loaded once, TP-sharded, frozen): the ModelOut the online teacher's forward gives
+    (hidden + weight on the fused head, where the logits are formed chunk by chunk; whole vocab-parallel logits on the
+    reference path), so the online terms serve it: every loss family, K, nucleus and temperature, sampled KD's draws
+    made at training time."""
+
+    kind = "online"  # its ModelOut is the online teacher's: the online terms read it
+    hidden_states = False  # the final ones only: no intermediate layers
+
+    def __init__(self, cache, model, *, fused: bool):
+        self.cache, self.fused = cache, fused
+        self.weight = models.output_weight(model).detach()
+        self.vocab_mask = models.padded_vocab_mask(model, self.weight.shape[0], self.weight.device)
+
+    @torch.no_grad()
+    def __call__(self, batch: dict) -> ModelOut:
+        h = self.cache.read(batch["sample_index"], None, device=self.weight.device).to(self.weight.dtype)
+        flat = h.reshape(-1, h.shape[-1])  # [b*s, H], tokens in the labels' order
+        out = ModelOut(hidden=flat, weight=self.weight, vocab_mask=self.vocab_mask, sample_index=batch["sample_index"])
+        if self.fused:
+            return out
+        z = out.masked(teacher_head_logits(flat, self.weight, slice(0, flat.shape[0])))
+        return ModelOut(logits=z.reshape(*h.shape[:2], -1), sample_index=batch["sample_index"])
+
+
 def _online(cfg, data, model, *, fused: bool, layers=(), opts: KDLossOptions,
             identify: Optional[Callable[[], dict]] = None):
     return OnlineTeacher(model, fused=fused, layers=layers)
@@ -132,6 +159,8 @@ def _cached(cfg, data, model, *, fused: bool, layers=(), opts: KDLossOptions,
         raise ValueError("teacher.name=cached: the cache is keyed by the teacher's identity, and none was handed in "
                          "(kdexp.objective.build's identify_teacher)")
     cache = ensure(cfg, data, model, identify())  # one teacher pass into the cache (skipped when it exists)
+    if cache.layout.record == "hidden":
+        return HiddenCacheTeacher(cache, model, fused=fused)
     if cache.layout.record == "topk" and opts.top_k is None and not opts.dense:  # a nucleus served from top-K_max
         started = time.perf_counter()
         try:

@@ -116,14 +116,14 @@ def _chunk_rows(tokens: int, local_vocab: int) -> int:
     return logit_rows(tokens, local_vocab, torch.float32)
 
 
-def _cache_layout(cfg, vocab: int):
-    """The offline teacher cache's layout for teacher=cached (its record type, K_max or draws), else None; the sample
-    count does not matter here."""
+def _cache_layout(cfg, vocab: int, teacher_hidden: int, dtype: str):
+    """The offline teacher cache's layout for teacher=cached (its record type, K_max, draws or hidden size), else
+    None; the sample count does not matter here."""
     if cfg.teacher.name != "cached":
         return None
     from kdexp.teacher import format as fmt
 
-    return fmt.Layout.from_config(cfg, vocab, samples=0)
+    return fmt.Layout.from_config(cfg, vocab, samples=0, hidden_size=teacher_hidden, hidden_dtype=dtype)
 
 
 def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU) -> Plan:
@@ -194,13 +194,18 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     top_k = cfg.loss.top_k
     top_p = cfg.loss.top_p if cuts(cfg.loss.top_p) else None  # 1.0 cuts nothing: the loss runs without a cut
     kd_saved = sizing.kd_saved_per_token(top_k, top_p, TOP_P_INITIAL_K, fused_lm=fused)
-    layout = _cache_layout(cfg, student.vocab_size)  # teacher=cached: no teacher forward in the train step
+    # teacher=cached: no teacher forward in the train step (a hidden store still forms the teacher's logits)
+    layout = _cache_layout(cfg, student.vocab_size, teacher.hidden_size, "float32" if e == 4 else "bfloat16")
+    head_only = layout is not None and layout.record == "hidden"
+    # what the step holds of the teacher's side: a record decoded from the cache, or (online, or a hidden store: its
+    # hidden states formed into logits by the teacher's head) the teacher's logits / final hidden states
+    record = None if layout is None or head_only else layout.decoded_bytes_per_token()
     logits_dtype = torch.float32 if e == 4 else torch.bfloat16
     logits = sizing.logits_bytes(tokens, vocab, e, needs_lm=needs_lm, kd_saved=kd_saved,
                                  chunk_rows=_chunk_rows(tokens, vocab),
                                  kept=0 if top_k is None and top_p is None else (top_k or TOP_P_INITIAL_K),
                                  cut=top_p is not None,
-                                 cache_record=None if layout is None else layout.decoded_bytes_per_token(),
+                                 cache_record=record,
                                  held=top_k is not None and holds_gradient(top_p, tp, logits_dtype))
     shape = f"[{tokens}, {vocab}]"
     from kdexp.losses.chunking import head_rows
@@ -213,11 +218,11 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
                                     kept=0 if top_k is None and top_p is None else (top_k or TOP_P_INITIAL_K),
                                     cut=top_p is not None, held=top_k is not None and holds_gradient(top_p, tp,
                                                                                                    logits_dtype))
-        if layout is not None:  # a cache record's rows are views of the batch's record
+        if layout is not None and not head_only:  # a cache record's rows are views of the batch's record
             chunk.pop("teacher logits")
         logits = sizing.fused_head_bytes(tokens, vocab, student.hidden_size, teacher.hidden_size, e,
                                          chunk_rows=rows, chunk=chunk,
-                                         cache_record=None if layout is None else layout.decoded_bytes_per_token())
+                                         cache_record=record)
         notes = {"teacher hidden states": f"[{tokens}, {teacher.hidden_size}] {dt}",
                  "teacher cache record": None if layout is None else
                  f"{layout.describe()} per token, as read (fp32 values, int64 ids); teacher weights kept for eval",
@@ -258,8 +263,11 @@ def make_plan(cfg: Any, *, gpus: Optional[int] = None, mfu: float = DEFAULT_MFU)
     p.reserve = RESERVE_GIB * GiB + FRAGMENTATION * p.peak
 
     fs = sizing.flops_per_token(student, seq, backward=True)
-    # cached: the teacher's forward is a one-off build, not part of the step
+    # cached: the teacher's forward is a one-off build, not part of the step; a hidden store's step runs the teacher's
+    # output layer (2 H V per token)
     ft = 0.0 if layout is not None else sizing.flops_per_token(teacher, seq, backward=False)
+    if head_only:
+        ft = 2.0 * teacher.hidden_size * student.vocab_size
     p.flops = {"student": fs, "teacher": ft, "total": fs + ft,
                "recompute": sizing.recompute_flops_per_token(student, seq, recompute),
                "student_6n": 6 * sum(sizing.matmul_params(student)), "teacher_2n": 2 * sum(sizing.matmul_params(teacher))}

@@ -1,4 +1,4 @@
-"""Random access to a finished teacher cache by global sample index (memory-mapped shards, checksummed on first use).
+"""Random access to a finished teacher cache by training window (sample index), in any order (memory-mapped shards, checksummed on first use).
 
 `TeacherCache(path, key)` opens the manifest (a missing one: the cache is unfinished; a key that differs from this
 run's: a `CacheMismatch` naming every entry that differs). A shard is verified against its sha256 the first time a
@@ -27,7 +27,7 @@ class CacheCorrupt(RuntimeError):
 
 
 class CacheMismatch(ValueError):
-    """A cache built for another teacher, data stream, sequence layout, record type, K_max or draws (count, proposal
+    """A cache built for another format, teacher, data (or data.seed), sequence layout, record type, K_max or draws (count, proposal
     temperature, seed), temperature set or value dtype."""
 
 
@@ -57,6 +57,10 @@ class TeacherCache:
     def __init__(self, path, key: Optional[dict] = None):
         self.path = Path(path)
         manifest = records.read_json(self.path / fmt.MANIFEST)
+        if isinstance(manifest, dict) and isinstance(manifest.get("format"), int) and manifest["format"] != fmt.FORMAT:
+            raise CacheMismatch(f"teacher cache {self.path} is of format {manifest['format']}, this kdexp reads format "
+                                f"{fmt.FORMAT} (records indexed by training window); point teacher.path elsewhere (or "
+                                "null for the default location) or delete it")
         if not isinstance(manifest, dict) or manifest.get("format") != fmt.FORMAT:
             raise CacheCorrupt(f"{self.path / fmt.MANIFEST} is missing or unreadable: the teacher cache at "
                                f"{self.path} is unfinished (a rerun of the build resumes it)")
@@ -115,17 +119,19 @@ class TeacherCache:
         """The stored record of global samples `sample_index` ([b] ints) at a cached `temperature`
         (kdexp.teacher.format.decode_record): topk -> (values [b, s, K] float32, indices [b, s, K] long, lse [b, s],
         lse_rest [b, s]); sampled -> kdexp.losses.sampled.TeacherDraws."""
-        ti = self.temperature_index(temperature)
+        ti = None if self.layout.record == "hidden" else self.temperature_index(temperature)  # hidden: any T
         idx = [int(i) for i in (sample_index.tolist() if torch.is_tensor(sample_index) else sample_index)]
         lay = self.layout
         if any(not 0 <= i < lay.samples for i in idx):
-            raise IndexError(f"samples {idx} are outside the teacher cache's [0, {lay.samples}): the run reads more "
-                             "samples than were cached (the cache key includes the sample count: this is a bug)")
+            raise IndexError(f"samples {idx} are outside the teacher cache's windows [0, {lay.samples}): a run "
+                             "extends its cache to the windows it reads before training (kdexp.teacher.writer.ensure)")
         rows = [(self._shard(i // lay.shard_samples), i % lay.shard_samples) for i in idx]
         out = fmt.decode_record(lay, {part: np.stack([m[part][o] for m, o in rows])
                                       for part in fmt.RECORD_PARTS[lay.record]}, ti)
         if device is None:
             return out
+        if torch.is_tensor(out):
+            return out.to(device, non_blocking=True)
         moved = [t.to(device, non_blocking=True) for t in out]
         return type(out)(*moved) if hasattr(out, "_fields") else tuple(moved)
 

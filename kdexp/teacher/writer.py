@@ -1,13 +1,21 @@
-"""Build the offline teacher cache: one teacher pass over exactly the training stream a run reads.
+"""Build the offline teacher cache: one teacher pass over the training windows a run reads, once per teacher and data.
 
 `ensure(cfg, data, teacher, teacher_identity)` returns the run's `TeacherCache`, building it first when it is missing or unfinished.
-The stream is kdexp.data's: global sample i of `data.train_ds` (megatron's shuffle, the run's seed and seq layout),
-samples [0, max_steps * global_batch), so step t's records are exactly the samples step t trains on, at any DP size.
+Record i is the teacher on training window i of `data.train_ds` (the samples data.seed fixes, kdexp.data); a run of
+max_steps x global batch positions reads windows [0, data.windows(positions)) in its trainer.seed's order
+(kdexp.data.ReadOrder), so every replicate of a seed sweep, any DP size, micro or global batch reads one cache:
 
-- the record type follows the loss: "topk" for the logit losses, "sampled" when loss.samples is set (the draws made
-  here, once, per global sample: kdexp.teacher.format);
-- keyed (`cache_key`): teacher identity (handed in by whoever made the teacher), data fingerprint and sample count, seq length, vocabulary, record type and
-  its own entries (K_max; or loss.samples, loss.proposal_temperature and the draw seed), temperatures, value dtype.
+- indexed by sample, not by position: the key names the teacher, the data (fingerprint, data.seed, the epoch's
+  windows), seq length and the record, never the run's seed, length or batch; the manifest names the windows held;
+- extended, not rebuilt: a run that reads more windows than the cache holds writes only the missing ones (the short
+  last shard again, then new shards); one that reads fewer reads its prefix;
+
+- the record type is teacher.store, by default the loss's: "topk" for the logit losses, "sampled" when loss.samples
+  is set (the draws made here, once, per window: kdexp.teacher.format); "hidden" (the teacher's final hidden states,
+  any loss) when asked for;
+- keyed (`cache_key`): teacher identity (handed in by whoever made the teacher), data fingerprint, data.seed and the
+  epoch's windows, seq length, vocabulary, record type and its own entries (K_max; or loss.samples,
+  loss.proposal_temperature and the draw seed), temperatures, value dtype.
   The default location is a hash of the key under paths.cache; an explicit teacher.path holding another key is a
   `CacheMismatch` naming what differs;
 - one builder: global rank 0 holds the cache's flock (kdexp.data.cache.exclusive) from check to manifest, so
@@ -49,19 +57,26 @@ SHARD_END_HOOKS: list[Callable[[int], None]] = []
 KEY_FILE = "key.json"  # written when a build starts
 
 
-def layout_for(cfg, data) -> fmt.Layout:
-    """The run's cache layout (fmt.Layout.from_config) over the samples the run's steps read."""
+def layout_for(cfg, data, teacher=None) -> fmt.Layout:
+    """The run's cache layout (fmt.Layout.from_config) over the windows the run's steps read; a hidden store takes
+    the `teacher` model's hidden size and params dtype."""
     t = cfg.trainer
     global_batch = t.global_batch_size or t.micro_batch_size * distributed.state().dp_size  # as the trainer reads
-    return fmt.Layout.from_config(cfg, data.vocab_size, t.max_steps * global_batch)
+    hidden = {}
+    if teacher is not None and fmt.Layout.store(cfg) == "hidden":
+        dtype = next(teacher.parameters()).dtype
+        hidden = {"hidden_size": int(teacher.kdexp_spec.hidden_size),
+                  "hidden_dtype": {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]}
+    return fmt.Layout.from_config(cfg, data.vocab_size, data.windows(t.max_steps * global_batch), **hidden)
 
 
 def cache_key(cfg, data, layout: fmt.Layout, teacher_identity: dict) -> dict:
     """JSON-native: compared entry by entry with a stored manifest's key. ``teacher_identity``: what names the
-    teacher's weights (kdexp.train.teacher.teacher_identity: whoever made the teacher knows it)."""
+    teacher's weights (kdexp.train.teacher.teacher_identity: whoever made the teacher knows it). The windows held
+    (layout.samples) are not part of it: a cache grows to serve a longer run."""
     return {"format": fmt.FORMAT, "record": layout.record, "teacher": teacher_identity,
             "params_dtype": cfg.model.params_dtype, "precision": cfg.trainer.precision, "data": data.fingerprint,
-            "train_samples": len(data.train_ds), "samples": layout.samples, "seq_length": layout.seq_length,
+            "data.seed": int(cfg.data.seed), "train_samples": len(data.train_ds), "seq_length": layout.seq_length,
             "vocab_size": int(data.vocab_size), **layout.key_entries(), "temperatures": list(layout.temperatures),
             "values": layout.values, "shard_samples": layout.shard_samples}
 
@@ -70,6 +85,23 @@ def cache_location(cfg, key: dict) -> Path:
     if cfg.teacher.path is not None:
         return Path(cfg.teacher.path).expanduser()
     return data_cache.cached_path("teacher_cache", key, root=cfg.paths.cache)
+
+
+def fits(path: Path, j: int, layout: fmt.Layout) -> bool:
+    """Shard j's files are intact (their checksum record) and hold exactly the samples `layout` gives the shard: a
+    shard written for another sample count (the short last shard of a smaller cache) is never kept."""
+    if check_shard(path, j) is not None:
+        return False
+    n = len(layout.shard_range(j))
+    return all(fmt.shard_file(path, j, part).stat().st_size == n * size for part, size in layout.row_bytes().items())
+
+
+def holds(layout: fmt.Layout, key: dict) -> str:
+    """What a cache holds, in words (its manifest's "holds")."""
+    data = ", ".join(f"{k} {str(key[k])[:12]}" for k in ("data", "data.seed", "train_samples") if k in key)
+    return (f"the teacher's {layout.record} records ({layout.describe()}, temperatures {list(layout.temperatures)}, "
+            f"{layout.values} values) of training windows [0, {layout.samples}) ({data}; seq length "
+            f"{layout.seq_length}), readable in any order by any trainer.seed, DP size, micro or global batch")
 
 
 def _agree(flag: bool, group) -> bool:
@@ -107,7 +139,10 @@ def write_shard(path: Path, j: int, layout: fmt.Layout, teacher, dataset, micro_
     for b0 in range(rng.start, rng.stop, micro_batch_size):
         ids = range(b0, min(rng.stop, b0 + micro_batch_size))
         tokens = torch.stack([torch.as_tensor(dataset[i]["tokens"]) for i in ids]).long().to(st.device)
-        rec = teacher_record(layout, models.vocab_parallel_logits(teacher, tokens), ids)
+        if layout.record == "hidden":  # after the final norm, before the output layer: [s, b, h] -> [b, s, h]
+            rec = models.final_hidden(teacher, tokens)[0].transpose(0, 1)
+        else:
+            rec = teacher_record(layout, models.vocab_parallel_logits(teacher, tokens), ids)
         if writer:
             o = slice(ids.start - rng.start, ids.stop - rng.start)
             for part, a in fmt.encode_record(layout, rec).items():
@@ -145,7 +180,7 @@ def build(path: Path, key: dict, layout: fmt.Layout, teacher, dataset, micro_bat
                             "teacher.path elsewhere (or null for the default location) or delete it")
     started, kept, written = time.perf_counter(), 0, 0
     for j in range(st.dp_rank, layout.shards, st.dp_size):
-        if _agree(j in known_good or check_shard(path, j) is None, distributed.tp_group()):
+        if _agree(j in known_good or fits(path, j, layout), distributed.tp_group()):
             kept += 1
             continue
         write_shard(path, j, layout, teacher, dataset, micro_batch_size)
@@ -168,8 +203,8 @@ def build(path: Path, key: dict, layout: fmt.Layout, teacher, dataset, micro_bat
             if problem:
                 raise RuntimeError(f"teacher cache {path}: after the build {problem}")
             shards[str(j)] = records.read_json(fmt.shard_file(path, j, "json"))
-        records.write_json(path / fmt.MANIFEST, {"format": fmt.FORMAT, "key": key, "layout": layout.to_json(),
-                                                  "shards": shards, "build": build_cost})
+        records.write_json(path / fmt.MANIFEST, {"format": fmt.FORMAT, "holds": holds(layout, key), "key": key,
+                                                  "layout": layout.to_json(), "shards": shards, "build": build_cost})
     distributed.barrier()
 
 
@@ -201,10 +236,27 @@ def _rebuild(cache: TeacherCache, damaged: dict[int, str], key: dict, teacher, d
           known_good=frozenset(range(layout.shards)) - frozenset(damaged))
 
 
+def _extend(cache: TeacherCache, key: dict, layout: fmt.Layout, teacher, dataset, micro_batch_size: int) -> None:
+    """Grow `cache` to `layout`'s windows: its intact full shards are kept; the short last one (its sample count
+    grows), any damaged one and the new ones are written; the manifest is written again last. Until then the cache
+    counts as unfinished, and a killed extension resumes like a killed build."""
+    old, path = cache.layout, cache.path
+    damaged = _damaged(cache)
+    keep = frozenset(j for j in range(old.shards) if len(old.shard_range(j)) == old.shard_samples) - set(damaged)
+    if distributed.is_rank0():
+        log.info("stage teacher_cache: extending %s from %d to %d windows (keeping %d of its %d shards)", path,
+                 old.samples, layout.samples, len(keep), old.shards)
+        (path / fmt.MANIFEST).unlink(missing_ok=True)
+        for j in set(range(old.shards)) - keep:
+            fmt.shard_file(path, j, "json").unlink(missing_ok=True)
+    distributed.barrier()
+    build(path, key, layout, teacher, dataset, micro_batch_size, known_good=keep)
+
+
 def ensure(cfg, data, teacher, teacher_identity: dict) -> TeacherCache:
     """The run's teacher cache (built first, under the cache's lock, when missing or unfinished). Every rank.
     ``teacher_identity`` keys the cache by the teacher's weights (see cache_key)."""
-    layout = layout_for(cfg, data)
+    layout = layout_for(cfg, data, teacher)
     key = cache_key(cfg, data, layout, teacher_identity)
     return ensure_at(cache_location(cfg, key), key, layout, teacher, data.train_ds, cfg.trainer.micro_batch_size)
 
@@ -216,17 +268,22 @@ def ensure_at(path: Path, key: dict, layout: fmt.Layout, teacher, dataset, micro
     manifest = path / fmt.MANIFEST
     with data_cache.exclusive(path, enabled=rank0):
         done = distributed.rank0_decides(manifest.is_file() if rank0 else True)
+        extended = False
         if done:
             cache = TeacherCache(path, key)  # CacheMismatch here names what differs
             started = time.perf_counter()
-            damaged = _damaged(cache)
+            if cache.layout.samples < layout.samples:  # a longer run: the missing windows only
+                _extend(cache, key, layout, teacher, dataset, micro_batch_size)
+                cache, extended = TeacherCache(path, key), True
+            damaged = {} if extended else _damaged(cache)
             if damaged:
                 _rebuild(cache, damaged, key, teacher, dataset, micro_batch_size)
                 cache = TeacherCache(path, key)
             cache.trust(range(cache.layout.shards))  # verified above or written and checked by the rebuild
-            if rank0 and not damaged:
-                log.info("stage teacher_cache: reusing %s (%d shard(s) verified in %.2f s)", path, cache.layout.shards,
-                         time.perf_counter() - started)
+            if rank0 and not damaged and not extended:
+                log.info("stage teacher_cache: reusing %s (%d shard(s) verified in %.2f s; windows [0, %d) of which "
+                         "this run reads [0, %d))", path, cache.layout.shards, time.perf_counter() - started,
+                         cache.layout.samples, layout.samples)
         else:
             if rank0:
                 log.info("stage teacher_cache: one teacher pass over %d samples x %d tokens into %s (%s record: "
@@ -236,5 +293,5 @@ def ensure_at(path: Path, key: dict, layout: fmt.Layout, teacher, dataset, micro
             build(path, key, layout, teacher, dataset, micro_batch_size)
             cache = TeacherCache(path, key)
     distributed.barrier()
-    cost.note_cache(path, built=not done)  # the run's cost record names the cache (and its build) it used
+    cost.note_cache(path, built=not done or extended)  # the run's cost record names the cache (and its build) it used
     return cache

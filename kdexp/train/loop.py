@@ -89,10 +89,16 @@ def micro_batches(stream, accumulation: int, micro_batch_size: int, device) -> l
             for i in range(accumulation)]
 
 
+def train_order(cfg, setup_: "Setup"):
+    """The training stream: max_steps global batches over the data.seed windows, read in trainer.seed's order."""
+    return setup_.data.read_order(cfg.trainer.max_steps * setup_.global_batch, cfg.trainer.seed)
+
+
 def data_stream(ds, cfg, setup_: "Setup", start_step: int = 0):
-    """This rank's shares of the global batches from step `start_step` on: rank r takes the r-th contiguous slice of
-    micro x accumulation samples of each global batch, so micro 2 x 4 accumulation steps reads exactly the samples
-    micro 8 x 1 reads, on every DP size, and a resume restarts at sample start_step x global batch."""
+    """This rank's shares of the global batches of `ds` (`train_order`, or the validation set in its own order) from
+    step `start_step` on: rank r takes the r-th contiguous slice of micro x accumulation samples of each global batch,
+    so micro 2 x 4 accumulation steps reads exactly the samples micro 8 x 1 reads, on every DP size, and a resume
+    restarts at position start_step x global batch."""
     st = distributed.state()
     return batches(ds, micro_batch_size=cfg.trainer.micro_batch_size * setup_.accumulation, dp_rank=st.dp_rank,
                    dp_size=st.dp_size, start_sample=start_step * setup_.global_batch)
@@ -106,11 +112,8 @@ def setup(cfg, *, make_teacher: Callable = get_teacher) -> Setup:
     t = cfg.trainer
     accumulation = accumulation_steps(t.global_batch_size, t.micro_batch_size, st.dp_size)
     global_batch = t.micro_batch_size * st.dp_size * accumulation
-    data = prepare(cfg.data, seq_length=t.seq_length, cache_dir=cfg.paths.cache, seed=t.seed,
-                   # a teacher pretrained here reads micro x DP samples per step (no accumulation)
-                   train_samples=max(t.max_steps * global_batch, 0 if assets.teacher_checkpoint(cfg.model) else
-                                     cfg.model.teacher_pretrain_steps * t.micro_batch_size * st.dp_size),
-                   val_samples=t.eval_iters * global_batch,
+    data = prepare(cfg.data, seq_length=t.seq_length, cache_dir=cfg.paths.cache, seed=cfg.data.seed,
+                   train_samples=t.max_steps * global_batch, val_samples=t.eval_iters * global_batch,
                    tokenizer_path=assets.tokenizer_source(cfg)[1])
     teacher = make_teacher(cfg, data)
     if next(teacher.parameters()).dtype != student_dtype(cfg):
@@ -198,7 +201,7 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
     val_stream = data_stream(s.data.val_ds, cfg, s)
     val_batches = [micro_batches(val_stream, s.accumulation, t.micro_batch_size, st.device)
                    for _ in range(t.eval_iters)]
-    stream = data_stream(s.data.train_ds, cfg, s, start)
+    stream = data_stream(train_order(cfg, s), cfg, s, start)
     tokens_per_step = global_batch * t.seq_length
     progress = Progress(t.max_steps, rank0)
     interval_start, interval_steps, run_start = time.perf_counter(), 0, time.perf_counter()

@@ -4,7 +4,9 @@ the corpus and cached.
 The embedded default loads the teacher shipped with the package (kdexp.assets: trained once by this project's recipe,
 with its tokenizer) like a real checkpoint, after checking its manifest. With model.embedded_teacher=pretrain the first
 embedded run trains the teacher with the LM loss (logged as its own stage), saves it as a Hugging Face checkpoint in
-the cache directory, keyed by what made it, and every later run (any TP size) loads it back through ``load_hf``. The cached copy carries a
+the cache directory, keyed by what made it (its recipe, its own seed model.teacher_pretrain_seed, the data and data.seed,
+its sample length: `pretrain_seq_length`), never by the student's trainer.seed, so every replicate of a sweep distils
+one teacher, and every later run (any TP size) loads it back through ``load_hf``. The cached copy carries a
 sha256 manifest (kdexp.data.cache): a truncated or garbled file is named in a warning and the teacher is pretrained
 again; a lock makes concurrent jobs on a cold cache pretrain it once.
 """
@@ -19,7 +21,7 @@ from pathlib import Path
 import torch
 
 from kdexp import assets, distributed, models
-from kdexp.data import batches
+from kdexp.data import batches, prepare
 from kdexp.data import cache as data_cache
 from kdexp.track import cost, records
 from kdexp.train import optim
@@ -43,16 +45,36 @@ def check_shipped() -> None:
                            "kdexp/assets/teacher), or set model.embedded_teacher=pretrain to pretrain one here")
 
 
+def pretrain_seq_length(cfg) -> int:
+    """The length of the embedded teacher's pretraining samples: model.teacher_pretrain_seq_length, or a longer
+    trainer.seq_length (a teacher is never asked for positions it was not trained at: RoPE gives it positions it
+    never saw, and its logits there would be untrained). So it depends on the run's length only above that."""
+    return max(int(cfg.model.teacher_pretrain_seq_length), int(cfg.trainer.seq_length))
+
+
 def pretrained_teacher_dir(cfg, data) -> Path:
-    """Cache directory of the embedded teacher, keyed by everything that determines its weights."""
-    st = distributed.state()
+    """Cache directory of the embedded teacher, keyed by everything that determines its weights: its shape, the token
+    data (`data.source`) and data.seed (its windows), its sample length, its recipe, its global batch (micro x DP
+    size) and its own seed; not trainer.seed, nor the student's length up to pretrain_seq_length."""
     key = {
         "spec": dataclasses.asdict(models.get_spec(cfg.model.teacher, vocab_size=data.vocab_size)),
-        "data": data.fingerprint, "train_samples": len(data.train_ds),  # GPTDataset's shuffle depends on its size
-        "recipe": recipe(cfg), "seq_length": cfg.trainer.seq_length,
-        "dp_size": st.dp_size, "seed": cfg.trainer.seed, "params_dtype": cfg.model.params_dtype,
+        "data": data.source, "data.seed": int(cfg.data.seed), "seq_length": pretrain_seq_length(cfg),
+        "recipe": recipe(cfg), "dp_size": distributed.state().dp_size, "seed": int(cfg.model.teacher_pretrain_seed),
+        "params_dtype": cfg.model.params_dtype,
     }
     return data_cache.cached_path("teacher", key, root=cfg.paths.cache)
+
+
+def pretrain_data(cfg, data):
+    """The data the embedded teacher pretrains on: the run's own when it has the teacher's sample length, else the
+    same token files and data.seed cut at pretrain_seq_length (one epoch; its steps read it again and again)."""
+    length = pretrain_seq_length(cfg)
+    if length == data.seq_length:
+        return data
+    st, r = distributed.state(), recipe(cfg)
+    return prepare(cfg.data, seq_length=length, cache_dir=cfg.paths.cache, seed=cfg.data.seed,
+                   train_samples=r["steps"] * r["micro_batch_size"] * st.dp_size, val_samples=1,
+                   tokenizer_path=assets.tokenizer_source(cfg)[1])
 
 
 def teacher_identity(cfg, data) -> dict:
@@ -143,12 +165,14 @@ def get_teacher(cfg, data) -> torch.nn.Module:
             if writer:
                 log.info("stage teacher: pretraining the embedded teacher %s for %d steps (once; cached in %s)",
                          cfg.model.teacher, cfg.model.teacher_pretrain_steps, path)
-            # Its init from the seed alone: a rebuild (cold cache, corrupt copy) gives the same weights whatever ran first.
-            distributed.reseed(cfg.trainer.seed)
+            # Its init from its own seed alone: a rebuild (cold cache, corrupt copy) gives the same weights whatever
+            # ran first, and no replicate's trainer.seed changes it.
+            distributed.reseed(cfg.model.teacher_pretrain_seed)
             started = time.perf_counter()
             spec = models.get_spec(cfg.model.teacher, vocab_size=data.vocab_size)
             model = models.build(spec, params_dtype=dtype, attention=cfg.model.attention)
-            pretrain(model, data, cfg)
+            own = pretrain_data(cfg, data)
+            pretrain(model, own, cfg)
             models.save_hf(model, path, spec)  # collective; rank 0 writes atomically
             del model
             if writer:  # what it cost, sealed by the manifest; the manifest last: until it exists the directory
@@ -156,7 +180,7 @@ def get_teacher(cfg, data) -> torch.nn.Module:
                 st, r = distributed.state(), recipe(cfg)
                 records.write_json(path / cost.ONE_TIME_RECORD, cost.one_time_record(
                     wall_s=time.perf_counter() - started, device=st.device,
-                    tokens=r["steps"] * r["micro_batch_size"] * st.dp_size * int(cfg.trainer.seq_length)))
+                    tokens=r["steps"] * r["micro_batch_size"] * st.dp_size * own.seq_length))
                 data_cache.write_manifest(path)
     distributed.barrier()
     cost.note_one_time("teacher pretraining", path, built=built)  # the report shares it over the points using it
