@@ -124,7 +124,8 @@ TP2 = {"whole logits": (("loss.fused_head=false",), "torchrun"), "fused head": (
 def test_torchrun_tensor_parallel_2_matches_tp1(smoke_run, env, tmp_path, overrides, launcher):
     """TP 2 (whole logits, the fused head, the fused head under sequence parallelism) against the TP 1 smoke run on
     the default path: every step's losses and the final metrics within 1e-5 relative (measured ~1e-7: only the
-    summation order of the TP reductions differs), and the exported weights gathered from the two shards."""
+    summation order of the TP reductions differs; val/onpolicy_reverse_kl too: the student's continuations are TP 1's),
+    and the exported weights gathered from the two shards."""
     reference, _ = smoke_run
     run_dir = tmp_path / "tp2"
     kdexp_run([*SMOKE, f"hydra.run.dir={run_dir}", "parallel.tensor=2", "logger=none", "trainer.export_hf=true",
@@ -134,8 +135,10 @@ def test_torchrun_tensor_parallel_2_matches_tp1(smoke_run, env, tmp_path, overri
     for a, b in zip(tp2, tp1):
         for key in ("train/loss", "train/lm_loss", "train/kd_loss", "train/kept_mass"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
-    assert comparable(summary(run_dir)["final"]) == pytest.approx(comparable(summary(reference)["final"]),
-                                                                  rel=1e-5, abs=1e-6)
+    want = comparable(summary(reference)["final"])
+    if "parallel.sequence=true" in overrides:  # no generation under sequence parallelism: no on-policy eval metric
+        del want["val/onpolicy_reverse_kl"]
+    assert comparable(summary(run_dir)["final"]) == pytest.approx(want, rel=1e-5, abs=1e-6)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tp2"]  # one run dir for both ranks
     from safetensors.torch import load_file
 
