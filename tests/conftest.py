@@ -10,7 +10,9 @@ below is that, per test module, for the modules that run `python -m kdexp.run` i
 Placement under ``--dist loadgroup`` (pytest_xdist_make_scheduler below): each module's tests are one work unit, run
 on one worker (module fixtures, such as a module's smoke run or its own cache, are then built once), except the
 modules in SHARED_GROUPS, which share a unit because they share a build memoized per process; units start heaviest
-first (HEAVY_FIRST) so that the longest ones do not start last and leave the other worker idle.
+first (HEAVY_FIRST) so that the longest ones do not start last and leave the other worker idle. Under N workers
+each one, and every run it starts, gets OMP_NUM_THREADS = cores // N (unless the shell set it): torch's threads of
+two workers on two cores would otherwise spin against each other.
 """
 from __future__ import annotations
 
@@ -40,6 +42,12 @@ HEAVY_FIRST = ("test_train", "test_scale", "test_slurm", "real_sweep", "test_tea
 def pytest_configure(config):
     if os.environ.get(_WORKER) and os.environ.get("KDEXP_CACHE", "").startswith(_cache_prefix()):
         return  # an xdist worker: the controller's session cache (inherited)
+    workers = getattr(config.option, "numprocesses", None) or 0
+    if isinstance(workers, int) and workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # The cores shared out between the workers, as kdexp.track.slots shares them between a sweep's points: each
+        # worker and every run it starts (inherited) takes its share, instead of each taking every core and their
+        # OpenMP threads spinning against each other's.
+        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
     cache = tempfile.mkdtemp(prefix="kdexp-test-cache-")
     _SESSION_CACHE.append(cache)
     os.environ["KDEXP_CACHE"] = cache
