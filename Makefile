@@ -17,8 +17,8 @@ WHEEL_HAVE_FILE ?=
 WHEEL_MAX_MIB ?=
 WHEELHOUSE ?= wheelhouse
 # `make test` runs pytest on TEST_WORKERS pytest-xdist workers, each module's tests on one worker (its module fixtures
-# built once), the heaviest modules first (tests/conftest.py). Two: the cores of a small machine; each test's torch
-# already uses every core, so more workers only make the multi-process tests wait for each other.
+# built once), the heaviest modules first, each worker's torch on its share of the cores (tests/conftest.py). Two: the
+# cores of a small machine; more workers only make the multi-process tests wait for each other.
 TEST_WORKERS ?= 2
 
 # The venv is created once; torch is installed first, pinned to the version the suite is tested with, so that

@@ -6,8 +6,12 @@ package, as the house plan lays it out. The wheel ships them inside the package 
 checkout's root joins this package's search path: ``kdexp.conf`` is then ``<root>/conf`` of the same checkout (never
 the conf of another install), and editable, source and installed runs import the same two subpackages.
 """
+import functools as _functools
 import importlib as _importlib
+import importlib.abc as _importlib_abc
+import importlib.machinery as _machinery
 import os as _os
+import sys as _sys
 import warnings as _warnings
 from pathlib import Path as _Path
 
@@ -17,6 +21,52 @@ from pathlib import Path as _Path
 # megatron's modules, so the same words from anyone else still show.
 _warnings.filterwarnings("ignore", message=r".*Transformer Engine and Apex are not installed.*", module=r"megatron\.")
 _warnings.filterwarnings("ignore", message=r".*(Apex|apex|TransformerEngine|transformer_engine).*", module=r"megatron\.")
+
+
+# megatron-core decorates its fused kernels with ``megatron.core.jit.jit_fuser``, which is ``torch.compile``: applying
+# it imports torch._dynamo and torch._inductor while ``import megatron.core`` runs, about as long again as importing
+# torch, in every process that imports megatron, although kdexp's local layer spec calls none of those kernels. Here
+# (before anything imports megatron, as for the filters above) jit_fuser becomes a decorator that hands the function to
+# torch.compile on its first call: torch.compile compiles on the first call anyway, so a kernel that runs is compiled
+# as before; one that never runs costs nothing.
+def _compile_on_first_call(compile_fn):
+    def jit_fuser(fn=None, **options):
+        if fn is None:  # @jit_fuser(options...)
+            return lambda f: jit_fuser(f, **options)
+        compiled = []
+
+        @_functools.wraps(fn)
+        def call(*args, **kwargs):
+            if not compiled:
+                compiled.append(compile_fn(fn, **options))
+            return compiled[0](*args, **kwargs)
+        return call
+    return jit_fuser
+
+
+class _LazyJitFuser(_importlib_abc.MetaPathFinder):
+    """Finds megatron.core.jit as the path finder does and swaps its torch.compile for _compile_on_first_call's."""
+
+    def find_spec(self, name, path, target=None):
+        if name != "megatron.core.jit":
+            return None
+        spec = _machinery.PathFinder.find_spec(name, path)
+        if spec is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_lazily(module):
+            exec_module(module)
+            import torch
+
+            if getattr(module, "jit_fuser", None) is torch.compile:
+                module.jit_fuser = _compile_on_first_call(torch.compile)
+        spec.loader.exec_module = exec_lazily
+        return spec
+
+
+if not any(isinstance(f, _LazyJitFuser) for f in _sys.meta_path):
+    _sys.meta_path.insert(0, _LazyJitFuser())
 
 _root = _Path(__file__).resolve().parent.parent
 if not (_Path(__file__).parent / "conf").is_dir() and (_root / "conf" / "__init__.py").is_file() \

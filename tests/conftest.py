@@ -9,8 +9,11 @@ below is that, per test module, for the modules that run `python -m kdexp.run` i
 
 Placement under ``--dist loadgroup`` (pytest_xdist_make_scheduler below): each module's tests are one work unit, run
 on one worker (module fixtures, such as a module's smoke run or its own cache, are then built once), except the
-modules in SHARED_GROUPS, which share a unit because they share a build memoized per process; units start heaviest
-first (HEAVY_FIRST) so that the longest ones do not start last and leave the other worker idle.
+modules in SHARED_GROUPS, which share a unit because they share a build memoized per process, and the cases of
+SPLIT_TESTS, each a unit; units start heaviest first (HEAVY_FIRST) so that the longest ones do not start last and
+leave the other worker idle. Under N workers
+each one, and every run it starts, gets OMP_NUM_THREADS = cores // N (unless the shell set it): torch's threads of
+two workers on two cores would otherwise spin against each other.
 """
 from __future__ import annotations
 
@@ -33,13 +36,23 @@ SHARED_GROUPS = {"test_report": "real_sweep", "test_notebook": "real_sweep", "te
 # Groups in the order they start, before all others (which keep their collection order): the ones that run the most
 # processes (subprocess runs, torchrun pairs, SLURM jobs) first.
 HEAVY_FIRST = ("test_train", "test_scale", "test_slurm", "real_sweep", "test_teacher_cache_run", "test_sweep",
-               "test_cli", "test_readme", "test_divergence", "test_slots", "test_intermediate", "test_faults",
-               "test_teacher_cache", "test_cache", "test_package", "test_dashboard", "test_checkpoint")
+               "test_cli", "test_readme", "test_run_records", "test_experiment", "test_divergence", "test_slots",
+               "test_intermediate", "test_faults", "test_teacher_cache", "test_cache", "test_package", "test_wheelhouse",
+               "test_report_trainings", "test_dashboard", "test_checkpoint", "test_sweep_check", "test_wandb")
+# Tests each of whose cases is a work unit of its own (a module's groups rank as the module): a page of the docs runs
+# for minutes as its own reader's session (tests/test_readme.py), so the pages share out over the workers.
+SPLIT_TESTS = ("test_readme.py::test_page_runs",)
 
 
 def pytest_configure(config):
     if os.environ.get(_WORKER) and os.environ.get("KDEXP_CACHE", "").startswith(_cache_prefix()):
         return  # an xdist worker: the controller's session cache (inherited)
+    workers = getattr(config.option, "numprocesses", None) or 0
+    if isinstance(workers, int) and workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # The cores shared out between the workers, as kdexp.track.slots shares them between a sweep's points: each
+        # worker and every run it starts (inherited) takes its share, instead of each taking every core and their
+        # OpenMP threads spinning against each other's.
+        os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // workers))
     cache = tempfile.mkdtemp(prefix="kdexp-test-cache-")
     _SESSION_CACHE.append(cache)
     os.environ["KDEXP_CACHE"] = cache
@@ -55,9 +68,19 @@ def _cache_prefix() -> str:
 
 
 def group_of(nodeid: str) -> str:
-    """The xdist work unit a test belongs to: its module's name, or the shared group of SHARED_GROUPS."""
-    module = Path(nodeid.split("::", 1)[0]).stem
+    """The xdist work unit a test belongs to: its module's name, the shared group of SHARED_GROUPS, or the test case
+    itself for SPLIT_TESTS."""
+    path, _, name = nodeid.partition("::")
+    if f"{Path(path).name}::{name.split('[', 1)[0]}" in SPLIT_TESTS:
+        return nodeid
+    module = Path(path).stem
     return SHARED_GROUPS.get(module, module)
+
+
+def _rank_of(nodeid: str, rank: dict) -> int:
+    """The place of a test's group in HEAVY_FIRST (a split test's cases: their module's), else after them all."""
+    group = group_of(nodeid)
+    return rank.get(group, rank.get(Path(nodeid.split("::", 1)[0]).stem, len(rank)))
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -82,7 +105,7 @@ def pytest_collection_modifyitems(config, items):
     first_seen: dict[str, int] = {}
     for i, item in enumerate(items):
         first_seen.setdefault(group_of(item.nodeid), i)
-    items.sort(key=lambda it: (rank.get(group_of(it.nodeid), len(rank)), first_seen[group_of(it.nodeid)]))
+    items.sort(key=lambda it: (_rank_of(it.nodeid, rank), first_seen[group_of(it.nodeid)]))
 
 
 def _shared_root(tmp_path_factory) -> Path:

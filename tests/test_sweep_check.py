@@ -109,11 +109,12 @@ def test_what_depends_on_the_launchers_processes_is_checked_where_this_process_r
 TOP_P = ["experiment=smoke", "loss=top_p", "teacher=cached", "logger=none"]
 
 
-def test_a_point_its_setup_refuses_is_the_single_runs_one_line_and_dry_run_marks_reuse(fresh):
+def test_a_point_its_setup_refuses_is_the_single_runs_one_line_and_dry_run_marks_reuse(fresh, seeded_cache):
     """The nucleus of loss.top_p=0.95 overflows the smoke teacher cache's top-1024, which only the built cache shows:
     the sweep trains top_p=0.8, then point #1 prints exactly the line a single run of it prints, no traceback, and
     the end lines name it. A dry run of the same sweep afterwards says #0 would be reused."""
     env, cwd = fresh
+    seeded_cache(env["KDEXP_CACHE"])  # the smoke data and pretrained teacher (built once for the test run), no points
     sweep_dir = cwd / "sweep"
     r = kdexp_run([*TOP_P, "-m", "loss.top_p=0.8,0.95", f"hydra.sweep.dir={sweep_dir}"], env, cwd, check=False)
     assert r.returncode == 1, (r.stdout[-3000:], r.stderr[-4000:])
