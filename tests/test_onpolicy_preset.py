@@ -52,7 +52,7 @@ def test_on_vs_off_policy_points(tmp_path):
             c.pop(key)
         c["trainer"].pop("seed")
     assert all(c == configs["op_off"] for c in configs.values())
-    with pytest.raises(ValueError, match="model.student_path"):  # the warm start is required
+    with pytest.raises(ValueError, match="model.student=None .* model.student_path is not set"):  # the warm start
         validate(cfg_of("experiment=on_vs_off_policy", "arm=op_ghost"))
 
 

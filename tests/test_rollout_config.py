@@ -8,8 +8,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from kdexp.config import KdexpConfig, validate
-from tests._launch import kdexp_run, run_env
-from tests.test_config import cfg_of
+from _launch import kdexp_run, run_env
+from test_config import cfg_of
 
 ON = ["rollout=on_policy", "trainer.seq_length=64"]
 

@@ -253,8 +253,9 @@ def test_torchrun_sequence_parallel_matches_tp1_and_resumes_bit_exact(smoke_run,
     for a, b in zip(metrics(whole, "train"), metrics(reference, "train"), strict=True):
         for key in ("train/loss", "train/lm_loss", "train/kd_loss", "train/kept_mass"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (a["step"], key)
-    assert comparable(summary(whole)["final"]) == pytest.approx(comparable(summary(reference)["final"]),
-                                                                rel=1e-5, abs=1e-6)
+    want = comparable(summary(reference)["final"])
+    del want["val/onpolicy_reverse_kl"]  # no generation under sequence parallelism: no on-policy eval metric
+    assert comparable(summary(whole)["final"]) == pytest.approx(want, rel=1e-5, abs=1e-6)
     killed = tmp_path / "sp_killed"
     args = [*sp, f"hydra.run.dir={killed}", "trainer.checkpoint_interval=2"]
     proc = kdexp_run(args, env, tmp_path, check=False, torchrun=2, kill_at=5)
