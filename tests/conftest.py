@@ -32,7 +32,8 @@ _WORKER = "PYTEST_XDIST_WORKER"
 SHARED_GROUPS = {"test_report": "real_sweep", "test_notebook": "real_sweep", "test_tensorboard": "real_sweep"}
 # Groups in the order they start, before all others (which keep their collection order): the ones that run the most
 # processes (subprocess runs, torchrun pairs, SLURM jobs) first.
-HEAVY_FIRST = ("test_train", "test_scale", "test_slurm", "real_sweep", "test_teacher_cache_run", "test_sweep",
+HEAVY_FIRST = ("test_train", "test_scale", "test_slurm", "real_sweep", "test_teacher_cache_run", "test_teacher_cache_sweep",
+               "test_teacher_cache_hidden", "test_sweep",
                "test_cli", "test_readme", "test_divergence", "test_slots", "test_intermediate", "test_faults",
                "test_teacher_cache", "test_cache", "test_package", "test_dashboard", "test_checkpoint")
 
