@@ -35,9 +35,10 @@ _WORKER = "PYTEST_XDIST_WORKER"
 SHARED_GROUPS = {"test_report": "real_sweep", "test_notebook": "real_sweep", "test_tensorboard": "real_sweep"}
 # Groups in the order they start, before all others (which keep their collection order): the ones that run the most
 # processes (subprocess runs, torchrun pairs, SLURM jobs) first.
-HEAVY_FIRST = ("test_train", "test_scale", "test_slurm", "real_sweep", "test_teacher_cache_run", "test_sweep",
-               "test_cli", "test_readme", "test_run_records", "test_experiment", "test_divergence", "test_slots",
-               "test_intermediate", "test_faults", "test_teacher_cache", "test_cache", "test_package", "test_wheelhouse",
+HEAVY_FIRST = ("test_train", "test_scale", "test_slurm", "real_sweep", "test_teacher_cache_run",
+               "test_teacher_cache_sweep", "test_teacher_cache_hidden", "test_sweep", "test_cli", "test_readme",
+               "test_run_records", "test_experiment", "test_divergence", "test_slots", "test_intermediate",
+               "test_faults", "test_teacher_cache", "test_cache", "test_package", "test_wheelhouse",
                "test_report_trainings", "test_dashboard", "test_checkpoint", "test_sweep_check", "test_wandb")
 # Tests each of whose cases is a work unit of its own (a module's groups rank as the module): a page of the docs runs
 # for minutes as its own reader's session (tests/test_readme.py), so the pages share out over the workers.

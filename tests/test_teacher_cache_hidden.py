@@ -121,3 +121,24 @@ def test_the_hidden_layout_and_its_config():
         validate(cfg_of("teacher=cached", "teacher.store=sampled"))
     with pytest.raises(ValueError, match="teacher.store='topk' is invalid: cannot serve sampled KD"):
         validate(cfg_of("teacher=cached", "teacher.store=topk", "loss=sampled"))
+
+
+@pytest.mark.slow
+def test_a_run_from_the_hidden_store_matches_the_online_run(env, tmp_path):
+    """End to end: `teacher=cached teacher.store=hidden` with what a top-K store refuses (dense KD at T=2) trains to
+    the online run's losses and eval metrics (the cache built first, by the run)."""
+    from _launch import kdexp_run, metrics
+
+    smoke = ["experiment=smoke", "logger=none", "loss=dense", "loss.temperature=2"]
+    runs = {}
+    for name, extra in (("online", []), ("hidden", ["teacher=cached", "teacher.store=hidden"])):
+        proc = kdexp_run([*smoke, *extra, f"hydra.run.dir={tmp_path / name}"], env, tmp_path)
+        runs[name] = metrics(tmp_path / name, "train") + metrics(tmp_path / name, "val")
+        if name == "hidden":
+            out = proc.stdout + proc.stderr
+            assert "hidden record: final hidden states of size 256" in out and "1024 B/token" in out, out[-3000:]
+    assert len(runs["online"]) == len(runs["hidden"]) > 0
+    for a, b in zip(runs["online"], runs["hidden"]):
+        for key in ("train/kd_loss", "train/lm_loss", "val/kl_to_teacher", "val/lm_loss"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (key, a["step"])

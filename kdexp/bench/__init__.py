@@ -1,5 +1,6 @@
 """Benchmarks, each a module with its own command line: ``python -m kdexp.bench.<name> --help`` for losses, head,
-attention, step, teacher and gpu (docs/benchmarks.md says what each measures and prints its numbers)."""
+attention, step, teacher, cache (teacher-cache record sizes and builds: docs/teacher-cache.md) and gpu
+(docs/benchmarks.md says what each measures and prints its numbers)."""
 from __future__ import annotations
 
 import argparse

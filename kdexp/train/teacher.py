@@ -66,10 +66,12 @@ def pretrained_teacher_dir(cfg, data) -> Path:
 
 
 def pretrain_data(cfg, data):
-    """The data the embedded teacher pretrains on: the run's own when it has the teacher's sample length, else the
-    same token files and data.seed cut at pretrain_seq_length (one epoch; its steps read it again and again)."""
+    """The data the embedded teacher pretrains on: the run's own when it has the teacher's sample length (one epoch of
+    windows: data.seed's alone), else the same token files and data.seed cut at pretrain_seq_length; its steps read
+    it again and again. A weighted blend is always sized for the teacher's own samples (megatron sizes a blend by the
+    samples asked for, so the run's would follow the run's length)."""
     length = pretrain_seq_length(cfg)
-    if length == data.seq_length:
+    if length == data.seq_length and getattr(data.train_ds, "datasets", None) is None:
         return data
     st, r = distributed.state(), recipe(cfg)
     return prepare(cfg.data, seq_length=length, cache_dir=cfg.paths.cache, seed=cfg.data.seed,
