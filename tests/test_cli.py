@@ -238,14 +238,16 @@ def test_a_config_hydra_cannot_compose_exits_2_without_traceback(env, tmp_path, 
 # A typo never runs a different job (issue 26): each is one line and exit 2, before anything is composed or built.
 TYPOS = [
     (["experiment=smokee"], "kdexp: error: experiment=smokee: experiment has no option 'smokee' (did you mean "
-                            "experiment=smoke?); the options are: ghost_vs_renorm, qwen3_before_after, smoke"),
+                            "experiment=smoke?); the options are: ghost_vs_renorm, on_policy_warm_start, "
+                            "on_vs_off_policy, qwen3_before_after, smoke"),
     (["arm=befor"], "kdexp: error: arm=befor: arm has no option 'befor' (did you mean arm=before?); the options are: "
-                    "after, before, k128_ghost, k128_renorm, k32_ghost, k32_renorm, k8_ghost, k8_renorm, sampled, top_p, "
-                    "topp_k128, topp_k32, topp_k8"),
+                    "after, before, k128_ghost, k128_renorm, k32_ghost, k32_renorm, k8_ghost, k8_renorm, op_ghost, op_mix, "
+                    "op_off, op_renorm, op_sampled_token, sampled, top_p, topp_k128, topp_k32, topp_k8"),
     (["-m", "loss=topk,top_pp"], "kdexp: error: loss=topk,top_pp: loss has no option 'top_pp' (did you mean "
                                  "loss=top_p?); the options are: dense, renorm_topk, sampled, top_p, topk"),
     (["experiment=[smoke,qwen3]"], "kdexp: error: experiment=[smoke,qwen3]: experiment has no option 'qwen3'; the "
-                                   "options are: ghost_vs_renorm, qwen3_before_after, smoke"),
+                                   "options are: ghost_vs_renorm, on_policy_warm_start, on_vs_off_policy, "
+                                   "qwen3_before_after, smoke"),
     (["hydra/launcher=slurm"], "kdexp: error: hydra/launcher=slurm: hydra/launcher has no option 'slurm' (did you "
                                "mean hydra/launcher=slurm_gpu?); the options are: basic, local_cpu, slurm_cpu, "
                                "slurm_gpu, submitit_local, submitit_slurm"),

@@ -60,7 +60,10 @@ def test_every_group_option_and_the_choices_read_from_the_rules(page):
     groups = page.split("== Config groups", 1)[1].split("== Keys", 1)[0]
     for group, options in {"loss": "topk*, dense, renorm_topk, sampled, top_p", "teacher": "online*, cached",
                            "hydra/launcher": "basic*, local_cpu, slurm_cpu, slurm_gpu",
-                           "arm": "after, before, k128_ghost, k128_renorm, k32_ghost, k32_renorm, k8_ghost, k8_renorm, op_ghost, op_mix, op_off, op_renorm, op_sampled_token, sampled, top_p, topp_k128, topp_k32, topp_k8"}.items():
+                           "rollout": "off*, on_policy",
+                           "arm": "after, before, k128_ghost, k128_renorm, k32_ghost, k32_renorm, k8_ghost, k8_renorm, "
+                                  "op_ghost, op_mix, op_off, op_renorm, op_sampled_token, sampled, top_p, topp_k128, "
+                                  "topp_k32, topp_k8"}.items():
         assert f"\n{group}: {options}\n" in groups, group
     keys = page.split("== Keys", 1)[1]
     for key, allowed in {"trainer.precision": "one of fp32, bf16", "trainer.seed": "an integer >= 0 and < 4294967296",
