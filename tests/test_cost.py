@@ -52,6 +52,25 @@ def test_run_cost_record(teacher, tmp_path):
     assert track_cost.run_cost(cfg, wall_s=1.0, flops_per_token=flops_per_token)["cache"] is None  # noted once: the next run opens its own
 
 
+def test_an_on_policy_run_counts_its_rollouts_tokens_and_the_students_generation():
+    """rollout.warmup_steps 2 then a fraction 0.5 of 6 steps: steps 3 and 5 train on rollouts of 8 + 16 tokens (23
+    positions through the training forward, 24 generated per sample) instead of seq_length; by hand."""
+    from kdexp.plan import flops_per_token, make_plan
+
+    cfg = compose("rollout=on_policy", "rollout.on_policy_fraction=0.5", "rollout.warmup_steps=2",
+                  "rollout.prompt_tokens=8", "rollout.max_new_tokens=16", "trainer.max_steps=6")
+    t, per = cfg.trainer, cfg.trainer.global_batch_size or cfg.trainer.micro_batch_size
+    trained = per * (4 * t.seq_length + 2 * 23)
+    generated = per * 2 * 24
+    assert track_cost.trained_tokens(cfg, 1, 6) == (trained, generated)
+    assert track_cost.trained_tokens(cfg, 1, 2) == (per * (t.seq_length + 23), per * 24)  # resumed after step 4
+    c = track_cost.run_cost(cfg, wall_s=10.0, flops_per_token=flops_per_token)
+    plan = make_plan(cfg)
+    assert c["tokens"] == trained
+    assert c["student_flops"] == pytest.approx(plan.flops["student"] * (trained + generated / 3), rel=1e-12)
+    assert c["teacher_forward_flops"] == pytest.approx(plan.flops["teacher"] * trained, rel=1e-12)
+
+
 def _point(root, num, alpha, seed, wall_s, cache=None, kl=1.0):
     config = tiny_config(alpha, "topk")
     config["trainer"]["seed"] = seed

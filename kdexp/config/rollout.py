@@ -2,12 +2,34 @@
 checked with the rest of the config before anything is built (kdexp.config.checks.validate calls it)."""
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kdexp.rules import choice, fail, integer, number
 
 ROLLOUTS = ("off", "on_policy")
 ESTIMATORS = ("distribution", "sampled_token")  # kdexp.objective.rollout implements them
+
+
+def on_policy_step(rollout_cfg: Any, step: int) -> bool:
+    """Whether training step `step` (0-based) trains on the student's samples: none before rollout.warmup_steps, then
+    exactly a fraction on_policy_fraction of the steps (step k after the warmup when floor((k+1) f) > floor(k f)), a
+    function of the step alone (neither the data-parallel size nor the accumulation moves it)."""
+    r = rollout_cfg
+    if str(r.name) != "on_policy" or step < int(r.warmup_steps):
+        return False
+    k, f = step - int(r.warmup_steps), float(r.on_policy_fraction)
+    return math.floor((k + 1) * f) > math.floor(k * f)
+
+
+def positions_per_sample(cfg: Any, step: int) -> int:
+    """Sequence positions one sample of training step `step` puts through the student's training forward: the
+    rollout's (prompt + new tokens, less the last token, which predicts nothing) on an on-policy step, else
+    trainer.seq_length. perf/tokens_per_s and the cost record count these."""
+    r = cfg.rollout
+    if on_policy_step(r, step):
+        return int(r.prompt_tokens) + int(r.max_new_tokens) - 1
+    return int(cfg.trainer.seq_length)
 
 
 def check_rollout(cfg: Any, max_positions: int) -> None:

@@ -21,13 +21,13 @@
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from kdexp import distributed, models
+from kdexp.config.rollout import on_policy_step
 from kdexp.losses import logits_kd_loss
 from kdexp.losses.chunking import head_rows
 from kdexp.losses.head import ChunkLoss
@@ -64,17 +64,15 @@ class Rollouts:
         self.prompt_tokens, self.max_new_tokens = int(r.prompt_tokens), int(r.max_new_tokens)
         self.temperature, self.top_p = float(r.temperature), float(r.top_p)
         self.seed, self.eos_id = int(seed), eos_id
+        self._cfg = rollout_cfg
 
     @property
     def enabled(self) -> bool:
         return self.name == "on_policy"
 
     def on_policy(self, step: int) -> bool:
-        """Whether training step `step` (0-based) trains on the student's samples."""
-        if not self.enabled or step < self.warmup:
-            return False
-        k = step - self.warmup
-        return math.floor((k + 1) * self.fraction) > math.floor(k * self.fraction)
+        """Whether training step `step` (0-based) trains on the student's samples (kdexp.config.on_policy_step)."""
+        return on_policy_step(self._cfg, step)
 
     @torch.no_grad()
     def sample(self, student, batch: dict, step: int) -> dict:

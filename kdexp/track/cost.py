@@ -10,7 +10,9 @@
 
 FLOPs are model FLOPs by kdexp.plan's formulas (kdexp.plan.flops_per_token, handed in: the plan sits above this
 package), for the training steps only (the
-evaluation passes are not counted); with ``teacher=cached`` the step runs no teacher (``teacher_forward_flops`` 0)
+evaluation passes are not counted). ``tokens`` are the positions through the student's training forward (on an
+on-policy step, its rollouts': rollout.prompt_tokens + max_new_tokens - 1 per sample, not trainer.seq_length), and
+``student_flops`` holds the student's generation on those steps (forward only). With ``teacher=cached`` the step runs no teacher (``teacher_forward_flops`` 0)
 and the cache build's teacher pass is recorded under ``cache``, once per build: the report divides it over the
 points of a sweep that share the cache (kdexp.report.cost). Other one-time work a run used (the embedded teacher's
 pretraining, done by whichever point needed it first) is listed under ``one_time`` with what building it cost (its
@@ -78,14 +80,30 @@ def build_record(*, wall_s: float, tokens: int, shards_written: int, shards_kept
             "shards_kept": shards_kept}
 
 
-def tokens_per_step(cfg: Any, world_size: int) -> int:
-    """Tokens one optimizer step trains on: the global batch (the trainer's own accumulation rule) x seq_length."""
+def samples_per_step(cfg: Any, world_size: int) -> int:
+    """Samples in one optimizer step: the global batch, by the trainer's own accumulation rule."""
     from kdexp.config.checks import accumulation_steps
 
     t, par = cfg.trainer, cfg.parallel
     dp = max(1, world_size // (int(par.tensor) * int(par.pipeline)))
     micro = int(t.micro_batch_size)
-    return accumulation_steps(t.global_batch_size, micro, dp) * micro * dp * int(t.seq_length)
+    return accumulation_steps(t.global_batch_size, micro, dp) * micro * dp
+
+
+def trained_tokens(cfg: Any, world_size: int, steps: int) -> tuple[int, int]:
+    """(tokens through the student's training forward, tokens the student's sampler generated) over the last
+    ``steps`` steps of the run: an on-policy step trains on its rollouts' positions (prompt + new tokens - 1) and
+    generates prompt + new tokens per sample (prefill and decode, one forward each)."""
+    from kdexp.config.rollout import on_policy_step, positions_per_sample
+
+    per = samples_per_step(cfg, world_size)
+    end = int(cfg.trainer.max_steps)
+    trained = generated = 0
+    for step in range(end - steps, end):
+        trained += per * positions_per_sample(cfg, step)
+        if on_policy_step(cfg.rollout, step):
+            generated += per * (int(cfg.rollout.prompt_tokens) + int(cfg.rollout.max_new_tokens))
+    return trained, generated
 
 
 def run_cost(cfg: Any, *, wall_s: float, flops_per_token: Callable[[Any], dict], device: Any = None,
@@ -95,7 +113,7 @@ def run_cost(cfg: Any, *, wall_s: float, flops_per_token: Callable[[Any], dict],
     -> {"student", "teacher_forward"}: model FLOPs per trained token (kdexp.plan.flops_per_token)."""
     count, kind = device_info(device)
     steps = int(cfg.trainer.max_steps) if steps is None else int(steps)
-    tokens = steps * tokens_per_step(cfg, count)
+    tokens, generated = trained_tokens(cfg, count, steps)
     cached = cfg.teacher.name == "cached"
     cost: dict[str, Any] = {"wall_s": wall_s, "device_count": count, "device_kind": kind,
                             "device_hours": device_hours(wall_s, count), "tokens": tokens,
@@ -106,7 +124,8 @@ def run_cost(cfg: Any, *, wall_s: float, flops_per_token: Callable[[Any], dict],
         per_token = {"student": None, "teacher_forward": None}
         cost["flops_error"] = f"{type(exc).__name__}: {exc}"
     else:
-        cost["student_flops"] = per_token["student"] * tokens
+        # the student's generation is forward only: a third of its training FLOPs per token (2N of 6N)
+        cost["student_flops"] = per_token["student"] * (tokens + generated / 3)
         cost["teacher_forward_flops"] = 0.0 if cached else per_token["teacher_forward"] * tokens
     used = _USED_CACHE[:]
     _USED_CACHE.clear()  # a sweep's next point in this process must not inherit it
@@ -129,4 +148,5 @@ def run_cost(cfg: Any, *, wall_s: float, flops_per_token: Callable[[Any], dict],
     return cost
 
 
-__all__ = ["run_cost", "build_record", "note_one_time", "one_time_record", "ONE_TIME_RECORD", "note_cache", "device_info", "device_hours", "tokens_per_step"]
+__all__ = ["run_cost", "build_record", "note_one_time", "one_time_record", "ONE_TIME_RECORD", "note_cache", "device_info", "device_hours", "samples_per_step",
+           "trained_tokens"]

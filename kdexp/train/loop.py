@@ -22,6 +22,7 @@ import torch
 from kdexp import assets, distributed, models
 from kdexp.config import precision
 from kdexp.config.checks import accumulation_steps
+from kdexp.config.rollout import positions_per_sample
 from kdexp.data import batches, prepare
 from kdexp.track import faults, records
 from kdexp.track.metrics import IntervalMeter, MetricsFile, Progress, console_line, eval_line
@@ -202,9 +203,9 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
     val_batches = [micro_batches(val_stream, s.accumulation, t.micro_batch_size, st.device)
                    for _ in range(t.eval_iters)]
     stream = data_stream(train_order(cfg, s), cfg, s, start)
-    tokens_per_step = global_batch * t.seq_length
     progress = Progress(t.max_steps, rank0)
     interval_start, interval_steps, run_start = time.perf_counter(), 0, time.perf_counter()
+    interval_tokens = 0  # positions through the student's training forward (an on-policy step's are its rollouts')
 
     def emit(record: dict) -> None:
         metrics.write(record)
@@ -241,13 +242,14 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
             if finite:
                 meter.add(parts)
             interval_steps += 1
+            interval_tokens += global_batch * positions_per_sample(cfg, step)
             progress.update(done)
             if done % t.log_interval == 0 or done == t.max_steps:
                 elapsed = time.perf_counter() - interval_start
                 averages = meter.averages()  # {} when every step of the interval was skipped
                 record = {**averages, "train/lr": lr, "train/skipped_steps": guard.skipped,
                           "perf/step_ms": 1000.0 * elapsed / interval_steps,
-                          "perf/tokens_per_s": tokens_per_step * interval_steps / max(elapsed, 1e-9)}
+                          "perf/tokens_per_s": interval_tokens / max(elapsed, 1e-9)}
                 # a fully skipped interval keeps the last finite losses (an on-policy interval has no train/lm_loss:
                 # its console line shows none rather than an older interval's)
                 last_train = {**last_train, **record}
@@ -279,7 +281,8 @@ def distill(cfg, run_dir: Path, *, config_hash: str, resume_from: Optional[Path]
                     log.warning(line)
                 preemption.stop(signum, done, line)
             if done % t.log_interval == 0 or done == t.max_steps:
-                interval_start, interval_steps = time.perf_counter(), 0  # eval and checkpoint time are not step time
+                # eval and checkpoint time are not step time
+                interval_start, interval_steps, interval_tokens = time.perf_counter(), 0, 0
     finally:
         preemption.__exit__()
         progress.close()
