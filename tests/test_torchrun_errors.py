@@ -57,3 +57,25 @@ def test_plain_torchrun_names_kdexps_line_as_the_root_cause(env, tmp_path):
     root = out.split("Root Cause")[-1]
     assert re.search(r"exitcode\s*:\s*2 ", root) and f"traceback : {LINE}" in root, out
     assert "kdexp/" not in out.split("ChildFailedError")[0]  # no Python traceback of kdexp's
+
+
+def test_kdexp_torchrun_stopped_by_sigterm_forwards_it_and_ends_in_one_line(env, tmp_path):
+    import signal
+    import time
+
+    script = tmp_path / "waits.py"  # each worker says it started, then waits for the signal torchrun forwards
+    script.write_text("import os, pathlib, time\n"
+                      f"pathlib.Path({str(tmp_path)!r}, 'up' + os.environ['RANK']).touch()\n"
+                      "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, *LAUNCHERS["kdexp"], "--nproc-per-node", "2", "--master-addr",
+                             "127.0.0.1", "--master-port", str(free_port()), str(script)], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while not ((tmp_path / "up0").exists() and (tmp_path / "up1").exists()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert [x for x in out.splitlines() if x.startswith("kdexp:")] == [
+        "kdexp: torchrun stopped by SIGTERM; its workers were sent SIGTERM"], out
+    assert "Traceback (most recent call last)" not in out, out
