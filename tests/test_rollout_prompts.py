@@ -14,7 +14,7 @@ import torch
 from tokenizers import decoders, models as tk_models, pre_tokenizers
 
 import kdexp.distributed as kd
-from _launch import kdexp_run, metrics, run_env, summary
+from _launch import REPO, kdexp_run, metrics, run_env, summary
 from _lone_process import lone_process
 from kdexp import models, objective
 from kdexp.config import validate
@@ -151,17 +151,18 @@ def test_a_training_sample_takes_line_sample_index_mod_lines(monkeypatch):
         assert torch.equal(whole["tokens"], ref.tokens[:, :-1])
 
 
-SMOKE = ["experiment=smoke", "rollout=on_policy", "rollout.warmup_steps=1", "rollout.max_new_tokens=8",
-         "rollout.prompt_tokens=6", "trainer.max_steps=3", "logger=none"]
-TEXTS = ["The history of the city", "In mathematics, a group is", "A short note on rivers and seas"]
+# docs/on-policy.md's command, from the repository root: the example prompts file shipped with the repository
+EXAMPLE = "examples/onpolicy_prompts.jsonl"
+SMOKE = ["experiment=smoke", "rollout=on_policy", f"rollout.prompts={EXAMPLE}", "rollout.prompt_tokens=6",
+         "rollout.max_new_tokens=8", "rollout.warmup_steps=1", "trainer.max_steps=3"]
 
 
 @pytest.mark.slow
 def test_a_short_prompt_through_the_command_line_is_one_line_exit_2_before_any_model(tmp_path):
-    path = _write(tmp_path / "p.jsonl", [{"prompt": TEXTS[0]}, {"prompt": "Hi"}])
+    path = _write(tmp_path / "p.jsonl", [{"prompt": "The with statement is used to wrap"}, {"prompt": "H"}])
     cache = tmp_path / "cache"
-    r = kdexp_run([*SMOKE, f"rollout.prompts={path}", f"hydra.run.dir={tmp_path / 'run'}"], run_env(cache), tmp_path,
-                  check=False)
+    r = kdexp_run([*SMOKE, f"rollout.prompts={path}", "logger=none", f"hydra.run.dir={tmp_path / 'run'}"],
+                  run_env(cache), tmp_path, check=False)
     assert r.returncode == 2, (r.stdout[-2000:], r.stderr[-4000:])
     assert r.stderr.splitlines() == [f"kdexp: error: rollout.prompts={path!r}: line 2 is 1 tokens long, shorter than "
                                      "rollout.prompt_tokens=6 (every prompt keeps its last prompt_tokens tokens): "
@@ -171,9 +172,8 @@ def test_a_short_prompt_through_the_command_line_is_one_line_exit_2_before_any_m
 
 @pytest.mark.slow
 def test_an_on_policy_smoke_run_from_a_prompts_file(env, tmp_path, monkeypatch):
-    path = _write(tmp_path / "prompts.jsonl", [{"prompt": t} for t in TEXTS])
     run_dir = tmp_path / "run"
-    kdexp_run([*SMOKE, f"rollout.prompts={path}", f"hydra.run.dir={run_dir}"], env, tmp_path)
+    kdexp_run([*SMOKE, f"hydra.run.dir={run_dir}"], env, REPO)
     assert summary(run_dir)["status"] == "finished"
     train = metrics(run_dir, "train")
     assert [x["rollout/on_policy_fraction"] for x in train] == [0.0, 1.0, 1.0]
@@ -184,12 +184,15 @@ def test_an_on_policy_smoke_run_from_a_prompts_file(env, tmp_path, monkeypatch):
     from kdexp.train.step import rollout_micro_batches
 
     monkeypatch.setenv("KDEXP_CACHE", env["KDEXP_CACHE"])
-    cfg = cfg_of(*SMOKE, f"rollout.prompts={path}")
+    path = str(REPO / EXAMPLE)
+    cfg = cfg_of(*SMOKE, f"rollout.prompts={path}", "logger=none")
     validate(cfg)
+    texts = [json.loads(line)["prompt"] for line in open(path)]
     with lone_process(seed=1, monkeypatch=monkeypatch):
         s = loop.setup(cfg)
-        want = [s.data.tokenizer.encode(t)[-6:] for t in TEXTS]
-        batch = {"tokens": torch.zeros(4, 64, dtype=torch.int64), "sample_index": torch.tensor([4, 5, 6, 7])}
+        want = [s.data.tokenizer.encode(t)[-6:] for t in texts]
+        batch = {"tokens": torch.zeros(4, 64, dtype=torch.int64), "sample_index": torch.tensor([5, 6, 7, 8])}
         rolled = rollout_micro_batches(s.student, s.objective, [batch], step=1)[0]
-    assert rolled["tokens"][:, :6].tolist() == [want[1], want[2], want[0], want[1]]
+    assert len(texts) == 4 and rolled["tokens"][:, :6].tolist() == [want[1], want[2], want[3], want[0]]
+    assert s.data.tokenizer.decode(want[1]) == texts[1][-len(s.data.tokenizer.decode(want[1])):]  # the end of it
     assert rolled["loss_mask"][:, :5].sum() == 0 and rolled["loss_mask"][:, 5].sum() == 4
