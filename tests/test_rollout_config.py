@@ -34,6 +34,8 @@ BAD = [
     ([*ON, "rollout.warmup_steps=-1"], "rollout.warmup_steps=-1", ">= 0"),
     ([*ON, "rollout.warmup_steps=201"], "rollout.warmup_steps=201", r"\[0, trainer.max_steps=200\]"),
     ([*ON, "teacher=cached"], "teacher.name='cached'", "online with rollout=on_policy"),
+    ([*ON, "rollout.prompts=/nonexistent/p.jsonl"], "rollout.prompts='/nonexistent/p.jsonl'", "no such file$"),
+    (["rollout.prompts=/nonexistent/p.jsonl"], "rollout.prompts", "read by rollout=on_policy only"),
 ]
 
 

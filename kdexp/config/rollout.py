@@ -1,11 +1,15 @@
 """The rollout group's value rules (``check_rollout``): where a step's tokens come from and the sampler's settings,
-checked with the rest of the config before anything is built (kdexp.config.checks.validate calls it)."""
+checked with the rest of the config before anything is built (kdexp.config.checks.validate calls it). Also the one
+reader of a rollout.prompts file (``read_prompts``): its lines parsed and checked here, stdlib only; kdexp.data
+tokenises them (kdexp.data.prompts)."""
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from typing import Any
 
-from kdexp.rules import choice, fail, integer, number
+from kdexp.rules import choice, fail, integer, number, text
 
 ROLLOUTS = ("off", "on_policy")
 ESTIMATORS = ("distribution", "sampled_token")  # kdexp.objective.rollout implements them
@@ -32,6 +36,39 @@ def positions_per_sample(cfg: Any, step: int) -> int:
     return int(cfg.trainer.seq_length)
 
 
+def read_prompts(path: str) -> list[tuple[int, Any]]:
+    """[(line number, text or messages)] of a rollout.prompts JSONL file, blank lines skipped: each line a JSON object
+    with "prompt" (a string) or "messages" (a list of {"role": str, "content": str}). A ValueError of one line naming
+    the file and the line otherwise, or when the file is missing or holds no prompt."""
+    key = "rollout.prompts"
+    file = Path(path).expanduser()
+    if not file.is_file():
+        fail(key, path, "must be a JSONL file of prompts; there is no such file")
+    out: list[tuple[int, Any]] = []
+    with open(file, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as err:
+                fail(key, path, f"line {n} is not JSON ({err.msg})")
+            prompt = row.get("prompt") if isinstance(row, dict) else None
+            messages = row.get("messages") if isinstance(row, dict) else None
+            if isinstance(prompt, str) and prompt and messages is None:
+                out.append((n, prompt))
+            elif prompt is None and isinstance(messages, list) and messages and all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages):
+                out.append((n, [dict(m) for m in messages]))
+            else:
+                fail(key, path, f'line {n} must be an object with "prompt" (a non-empty string) or "messages" (a '
+                     'non-empty list of {"role": string, "content": string}), one of them')
+    if not out:
+        fail(key, path, "holds no prompt: each line is {\"prompt\": ...} or {\"messages\": [...]}")
+    return out
+
+
 def check_rollout(cfg: Any, max_positions: int) -> None:
     """rollout.*: the sampler's values (they set val/onpolicy_reverse_kl's continuations in every run), then what
     training on the student's own tokens needs (an online teacher to score them, a rollout that fits a training
@@ -45,6 +82,7 @@ def check_rollout(cfg: Any, max_positions: int) -> None:
     number("rollout.top_p", r.top_p, gt=0, le=1)
     choice("rollout.estimator", r.estimator, ESTIMATORS)
     integer("rollout.warmup_steps", r.warmup_steps, ge=0)
+    text("rollout.prompts", r.prompts, none_ok=True)
     if r.prompt_tokens > t.seq_length:
         fail("rollout.prompt_tokens", r.prompt_tokens, f"must be in [1, trainer.seq_length={t.seq_length}] (the "
              "prompt is the start of a dataset sample; it also starts val/onpolicy_reverse_kl's continuations)")
@@ -56,10 +94,11 @@ def check_rollout(cfg: Any, max_positions: int) -> None:
         if r.on_policy_fraction != 0:
             fail("rollout.on_policy_fraction", r.on_policy_fraction, "must be 0 with rollout=off (dataset batches "
                  "only); choose rollout=on_policy to train on the student's samples")
-        for key in ("estimator", "warmup_steps"):
-            default = {"estimator": "distribution", "warmup_steps": 0}[key]
+        for key in ("estimator", "warmup_steps", "prompts"):
+            default = {"estimator": "distribution", "warmup_steps": 0, "prompts": None}[key]
             if getattr(r, key) != default:
-                fail(f"rollout.{key}", getattr(r, key), f"is read by rollout=on_policy only: leave it at {default} "
+                shown = "null" if default is None else default
+                fail(f"rollout.{key}", getattr(r, key), f"is read by rollout=on_policy only: leave it at {shown} "
                      "with rollout=off, or choose rollout=on_policy")
         return
     if r.prompt_tokens + r.max_new_tokens > t.seq_length:
@@ -74,3 +113,5 @@ def check_rollout(cfg: Any, max_positions: int) -> None:
     if cfg.parallel.sequence:
         fail("parallel.sequence", True, "must be false with rollout=on_policy: generation has one token per row to "
              "split over the tensor-parallel ranks")
+    if r.prompts is not None:
+        read_prompts(r.prompts)  # the tokens are checked where the tokenizer is (kdexp.data.prompts)

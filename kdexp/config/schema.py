@@ -122,7 +122,11 @@ class RolloutConfig:
     # GKD's lambda: the fraction of steps (every micro-batch of a step alike) trained on the student's own samples;
     # rollout=off takes 0 only
     on_policy_fraction: float = 0.0
-    prompt_tokens: int = 16  # the prompt: the first this-many tokens of a dataset sample
+    prompt_tokens: int = 16  # the prompt: the first this-many tokens of a dataset sample (of a rollout.prompts line: last)
+    # A JSONL file of prompts ({"prompt": text} or {"messages": [{"role", "content"}, ...]} per line), tokenised with
+    # the run's tokenizer (its chat template for messages); training sample i continues line i mod lines.
+    # null: the prompt is the start of each dataset sample
+    prompts: Optional[str] = None
     max_new_tokens: int = 32  # a row stops at the tokenizer's end-of-sequence id or here (counted as truncated)
     temperature: float = 1.0  # the sampler's
     top_p: float = 1.0  # the sampler's nucleus; 1 = the whole vocabulary

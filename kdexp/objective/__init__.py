@@ -25,6 +25,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from kdexp import distributed
+from kdexp.data import tokenize_prompts
 from kdexp.losses import BalancerOptions
 from kdexp.losses.chunking import head_rows
 from kdexp.losses.head import ChunkLoss, fused_head_loss, uses_fused_head
@@ -170,11 +171,13 @@ def build_balancer(balancer_cfg):
     return BalancerOptions.from_config(balancer_cfg).build()
 
 
-def build(cfg, data, teacher_model, balancer, *, identify_teacher: Optional[Callable[[], dict]] = None) -> Objective:
+def build(cfg, data, teacher_model, balancer, *, identify_teacher: Optional[Callable[[], dict]] = None,
+          prompts: Optional[torch.Tensor] = None) -> Objective:
     """The run's objective from cfg.loss and cfg.teacher: the teacher source (TEACHERS), the loss term (LOSSES),
     whether the head is fused (loss.fused_head: kdexp.losses.head.uses_fused_head), the balancer's fixed coefficients
     (the head's gradients in the forward pass) and the hidden-state pairs. ``identify_teacher()``: what names the
-    teacher's weights (kdexp.train.teacher.teacher_identity), for a source keyed by them (the cache)."""
+    teacher's weights (kdexp.train.teacher.teacher_identity), for a source keyed by them (the cache). ``prompts``:
+    rollout.prompts tokenised (kdexp.data.prompts, before the models are built); tokenised here when not given."""
     loss_cfg = cfg.loss
     spec = getattr(teacher_model, "kdexp_spec", None)  # the padded vocabulary the plan sizes (one tokenizer)
     vocab = spec.vocab_size if spec is not None else data.vocab_size
@@ -186,10 +189,12 @@ def build(cfg, data, teacher_model, balancer, *, identify_teacher: Optional[Call
                                          identify=identify_teacher)
     kd_term = term(loss, source)
     coefficients = getattr(balancer, "coefficients", None) if not s_layers else None
+    if prompts is None and cfg.rollout.prompts is not None:
+        prompts = tokenize_prompts(cfg.rollout.prompts, data.tokenizer, int(cfg.rollout.prompt_tokens))
     return Objective(loss_cfg, source, kd_term, fused=fused, fuses_lm=bool(getattr(kd_term, "fuses_lm", False)),
                      coefficients=coefficients, eval_teacher=OnlineTeacher(teacher_model, fused=fused),
                      student_layers=s_layers, pairs=loss_cfg.intermediate or [],
-                     rollout=Rollouts(cfg.rollout, seed=int(cfg.trainer.seed), eos_id=_eos(data)))
+                     rollout=Rollouts(cfg.rollout, seed=int(cfg.trainer.seed), eos_id=_eos(data), prompts=prompts))
 
 
 def _eos(data) -> Optional[int]:

@@ -4,7 +4,9 @@
   trains on the student's samples: none before rollout.warmup_steps, then exactly a fraction on_policy_fraction of
   the steps (step k after the warmup is on-policy when floor((k+1) f) > floor(k f)), a function of the step alone, so
   it depends neither on the data-parallel size nor on the accumulation (every micro-batch of a step alike).
-  ``sample(student, batch, step)``: the first rollout.prompt_tokens tokens of each dataset sample are the prompt; the
+  ``sample(student, batch, step)``: the first rollout.prompt_tokens tokens of each dataset sample are the prompt, or
+  with rollout.prompts the file's prompts (tokenised by kdexp.data.prompts): global sample i takes line i mod lines,
+  a function of the sample index alone (neither the data-parallel size nor the batch moves it); the
   student continues them (kdexp.models.generate: eval mode, no grad, KV cache) with one random stream per global
   sample index and step (kdexp.models.rollout_seeds), stopping at the tokenizer's eos or max_new_tokens. The batch
   it returns trains on the generated tokens only: loss_mask is 0 on the prompt and after a row stopped.
@@ -17,7 +19,8 @@
   the student's and the teacher's log-prob of y and the student's entropy.
 - ``onpolicy_reverse_kl``: the eval metric val/onpolicy_reverse_kl: the exact full-vocabulary KL(student || teacher)
   per token on the student's own continuations of the validation prompts (a fixed stream: the same draws at every
-  eval of a run and across runs of one seed).
+  eval of a run and across runs of one seed). These are the validation samples' starts even with rollout.prompts,
+  so that on- and off-policy runs (which have no prompt file) compare on the same prompts.
 """
 from __future__ import annotations
 
@@ -55,15 +58,20 @@ class RolloutStats(NamedTuple):
 
 
 class Rollouts:
-    """The rollout config of a run and the tokenizer's eos id (None: rows stop at max_new_tokens only)."""
+    """The rollout config of a run, the tokenizer's eos id (None: rows stop at max_new_tokens only) and the prompts of
+    rollout.prompts ([lines, prompt_tokens]; None: the dataset samples' starts)."""
 
-    def __init__(self, rollout_cfg, *, seed: int, eos_id: Optional[int]):
+    def __init__(self, rollout_cfg, *, seed: int, eos_id: Optional[int], prompts: Optional[torch.Tensor] = None):
         r = rollout_cfg
         self.name, self.estimator = str(r.name), str(r.estimator)
         self.fraction, self.warmup = float(r.on_policy_fraction), int(r.warmup_steps)
         self.prompt_tokens, self.max_new_tokens = int(r.prompt_tokens), int(r.max_new_tokens)
         self.temperature, self.top_p = float(r.temperature), float(r.top_p)
         self.seed, self.eos_id = int(seed), eos_id
+        if prompts is not None and (prompts.dim() != 2 or prompts.shape[1] != self.prompt_tokens or not len(prompts)):
+            raise ValueError(f"prompts must be [lines >= 1, rollout.prompt_tokens={self.prompt_tokens}], got "
+                             f"{list(prompts.shape)}")
+        self.prompts = prompts
         self._cfg = rollout_cfg
 
     @property
@@ -74,20 +82,37 @@ class Rollouts:
         """Whether training step `step` (0-based) trains on the student's samples (kdexp.config.on_policy_step)."""
         return on_policy_step(self._cfg, step)
 
-    @torch.no_grad()
+    def sample_starts(self, batch: dict) -> torch.Tensor:
+        """The first p tokens of each dataset sample of a micro-batch, [b, p]."""
+        return batch["tokens"][:, :self.prompt_tokens].contiguous()
+
+    def prompts_of(self, batch: dict) -> torch.Tensor:
+        """The [b, p] prompts of a training micro-batch: line (sample index mod lines) of rollout.prompts, or the
+        first p tokens of each dataset sample."""
+        if self.prompts is None:
+            return self.sample_starts(batch)
+        rows = batch["sample_index"].to(torch.int64).cpu() % self.prompts.shape[0]
+        return self.prompts[rows].to(batch["tokens"].device)
+
     def sample(self, student, batch: dict, step: int) -> dict:
-        """The student's continuations of the batch's prompts as a training micro-batch: tokens / labels / loss_mask
+        """The student's continuations of a training micro-batch's prompts (prompts_of) as a training micro-batch
+        (continue_prompts)."""
+        return self.continue_prompts(student, self.prompts_of(batch), batch["sample_index"], step)
+
+    @torch.no_grad()
+    def continue_prompts(self, student, prompts: torch.Tensor, sample_index: torch.Tensor, step: int) -> dict:
+        """The student's continuations of prompts [b, p] as a training micro-batch: tokens / labels / loss_mask
         [b, p + n - 1] (loss_mask 1 at the generated tokens), sample_index, sampler_logprobs [b, p + n - 1] aligned
-        with the labels (0 off the generated tokens), lengths [b] and truncated [b]."""
-        prompts = batch["tokens"][:, :self.prompt_tokens].contiguous()
-        seeds = models.rollout_seeds(self.seed, step, batch["sample_index"].tolist()).to(prompts.device)
+        with the labels (0 off the generated tokens), lengths [b] and truncated [b]; one random stream per (step,
+        global sample index)."""
+        seeds = models.rollout_seeds(self.seed, step, sample_index.tolist()).to(prompts.device)
         r = models.generate(student, prompts, max_new_tokens=self.max_new_tokens, seeds=seeds,
                             temperature=self.temperature, top_p=self.top_p, eos_id=self.eos_id)
         p = self.prompt_tokens
         logq = torch.zeros(r.tokens.shape[0], r.tokens.shape[1] - 1, dtype=torch.float32, device=prompts.device)
         logq[:, p - 1:] = r.sampler_logprobs.float()
         return {"tokens": r.tokens[:, :-1], "labels": r.tokens[:, 1:], "loss_mask": r.generated[:, 1:].float(),
-                "sample_index": batch["sample_index"], "sampler_logprobs": logq, "lengths": r.lengths,
+                "sample_index": sample_index, "sampler_logprobs": logq, "lengths": r.lengths,
                 "truncated": r.truncated}
 
 
@@ -146,7 +171,8 @@ def onpolicy_reverse_kl(objective, student, micros: list[dict]) -> torch.Tensor:
     sample's prompt with the fixed eval stream; the token-weighted mean over the generated tokens of the exact
     full-vocabulary KL(student || teacher) at T=1, chunked like training."""
     rollout = objective.rollout
-    rolled = [rollout.sample(student, b, EVAL_STREAM) for b in micros]
+    rolled = [rollout.continue_prompts(student, rollout.sample_starts(b), b["sample_index"], EVAL_STREAM)
+              for b in micros]
     denom = torch.stack([b["loss_mask"].sum() for b in rolled]).sum().clamp(min=1.0)
     total = torch.zeros((), dtype=torch.float64, device=denom.device)
     for b in rolled:

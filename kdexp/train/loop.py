@@ -23,7 +23,7 @@ from kdexp import assets, distributed, models
 from kdexp.config import precision
 from kdexp.config.checks import accumulation_steps
 from kdexp.config.rollout import positions_per_sample
-from kdexp.data import batches, prepare
+from kdexp.data import batches, prepare, tokenize_prompts
 from kdexp.track import faults, records
 from kdexp.track.metrics import IntervalMeter, MetricsFile, Progress, console_line, eval_line
 from kdexp import objective
@@ -116,6 +116,9 @@ def setup(cfg, *, make_teacher: Callable = get_teacher) -> Setup:
     data = prepare(cfg.data, seq_length=t.seq_length, cache_dir=cfg.paths.cache, seed=cfg.data.seed,
                    train_samples=t.max_steps * global_batch, val_samples=t.eval_iters * global_batch,
                    tokenizer_path=assets.tokenizer_source(cfg)[1])
+    # rollout.prompts' tokens are checked with the tokenizer, before any model is built (a ConfigError: exit 2)
+    prompts = None if cfg.rollout.prompts is None else \
+        tokenize_prompts(cfg.rollout.prompts, data.tokenizer, int(cfg.rollout.prompt_tokens))
     teacher = make_teacher(cfg, data)
     if next(teacher.parameters()).dtype != student_dtype(cfg):
         teacher = models.cast(teacher, student_dtype(cfg))  # frozen: no grads, no optimizer state
@@ -123,7 +126,7 @@ def setup(cfg, *, make_teacher: Callable = get_teacher) -> Setup:
     # Before the student: a cached teacher's one pass into the cache runs here (skipped when the cache exists). The
     # teacher's identity keys that cache; asked only then (a make_teacher stand-in may have no checkpoint to name).
     kd = objective.build(cfg, data, teacher, balancer,
-                         identify_teacher=functools.partial(teacher_identity, cfg, data))
+                         identify_teacher=functools.partial(teacher_identity, cfg, data), prompts=prompts)
     distributed.reseed(t.seed)  # the student's init must not depend on whether the teacher was just trained
     student = build_student(cfg, data.vocab_size)
     objective.attach_intermediate(student, cfg.loss, teacher.kdexp_spec.hidden_size)  # before its optimizer
