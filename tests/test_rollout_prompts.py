@@ -196,3 +196,16 @@ def test_an_on_policy_smoke_run_from_a_prompts_file(env, tmp_path, monkeypatch):
     assert len(texts) == 4 and rolled["tokens"][:, :6].tolist() == [want[1], want[2], want[3], want[0]]
     assert s.data.tokenizer.decode(want[1]) == texts[1][-len(s.data.tokenizer.decode(want[1])):]  # the end of it
     assert rolled["loss_mask"][:, :5].sum() == 0 and rolled["loss_mask"][:, 5].sum() == 4
+
+
+def test_the_runs_identity_holds_the_prompts_files_content(tmp_path):
+    """An edited prompts file at the same path is another run (a sweep must not reuse the old one's result)."""
+    from kdexp.config import config_hash
+    from test_config import cfg_of
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a b c d e f g h"}\n')
+    first = config_hash(cfg_of("rollout=on_policy", f"rollout.prompts={f}"))
+    assert config_hash(cfg_of("rollout=on_policy", f"rollout.prompts={f}")) == first
+    f.write_text('{"prompt": "h g f e d c b a"}\n')
+    assert config_hash(cfg_of("rollout=on_policy", f"rollout.prompts={f}")) != first
