@@ -47,6 +47,18 @@ def test_a_run_on_the_cpu_does_not_pass_as_a_gpu_run(tmp_path):
     assert all(isinstance(out[k], float) for k in ("train/loss", "val/kl_to_teacher"))
 
 
+@pytest.mark.slow
+def test_the_on_policy_part_runs_and_reports_its_rollout_metrics_on_the_cpu(tmp_path):
+    import os
+
+    out = gpu.distill(tmp_path, "float32", steps=3, cache=os.environ.get("KDEXP_CACHE"), on_policy=True)
+    assert out["rc"] == 0 and out["status"] == "finished" and out["on_policy"] is True, out
+    for key in gpu.ON_POLICY_KEYS:  # the last step trained on the student's samples; every eval generated
+        assert isinstance(out[key], float) and out[key] == out[key], (key, out)
+    assert out["rollout/length"] > 0 and out["val/onpolicy_reverse_kl"] >= 0
+    assert out["saved_from"] == ["cpu"] and out["ok"] is False  # a CPU run never passes as a GPU run
+
+
 def test_modelopt_twins_are_reported_as_absent_when_it_is_not_installed():
     rows = gpu.loss_bench(tokens=2, vocab=1100, repeats=1, device="cpu")
     twins = [r for r in rows if r["config"] in gpu.MODELOPT_TWIN]

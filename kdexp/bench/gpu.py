@@ -10,7 +10,10 @@
    per-token difference from the plain version.
 2. Two tiny TP=1 distillations of the embedded smoke config through the real CLI (`python -m kdexp.run`), float32
    and bfloat16 parameters, on a fresh cache (the teacher pretraining runs on the GPU too): each must finish with
-   finite losses and its checkpoint tensors must have been saved from a CUDA device (no CPU fallback).
+   finite losses and its checkpoint tensors must have been saved from a CUDA device (no CPU fallback). Then one
+   short on-policy distillation (bfloat16, `rollout=on_policy`: the student generates with megatron's KV cache on the
+   GPU, the teacher scores, the loss on the generated tokens): the same checks, and its rollout metrics and
+   val/onpolicy_reverse_kl finite.
 3. A distillation at real shapes (kdexp.bench.gpu_scale): Qwen3-1.7B teacher -> Qwen3-0.6B student, random init,
    bf16 (trainer.precision=bf16 where the schema has it), seq 4096, --scale-steps KD steps through the trainer's own
    setup and step, then LM-only steps: tokens/s, MFU, peak memory of each, the KD overhead over LM-only, and
@@ -64,25 +67,39 @@ def _saved_devices(run_dir: Path) -> set[str]:
     return {t.device.type for t in model.values() if isinstance(t, torch.Tensor)}
 
 
+# The on-policy run of part 2: every step after the first on the student's samples (generation with megatron's KV
+# cache on the GPU, the teacher scoring them, the loss on the generated tokens through the fused head).
+ON_POLICY = ("rollout=on_policy", "rollout.warmup_steps=1", "rollout.max_new_tokens=16")
+ON_POLICY_KEYS = ("rollout/kd_loss", "rollout/length", "rollout/entropy", "val/onpolicy_reverse_kl")
+
+
 def distill(work: Path, dtype: str, steps: int, cache: Path | None = None, attention: str = "sdpa",
-            fused_head: str = "auto") -> dict:
-    run_dir = work / f"run_{dtype}_fused_{fused_head}"
+            fused_head: str = "auto", on_policy: bool = False) -> dict:
+    """One tiny distillation through the CLI; ``on_policy``: the ON_POLICY overrides, and its rollout metrics and
+    val/onpolicy_reverse_kl must be finite too."""
+    run_dir = work / f"run_{dtype}_fused_{fused_head}{'_on_policy' if on_policy else ''}"
     cmd = [sys.executable, "-m", "kdexp.run", "experiment=smoke", "logger=none", f"model.params_dtype={dtype}",
            f"model.attention={attention}", f"loss.fused_head={fused_head}",
-           f"trainer.max_steps={steps}", f"trainer.warmup_steps={min(2, steps)}", f"hydra.run.dir={run_dir}"]
+           f"trainer.max_steps={steps}", f"trainer.warmup_steps={min(2, steps)}", f"hydra.run.dir={run_dir}",
+           *(ON_POLICY if on_policy else ())]
     env = {**os.environ, "KDEXP_CACHE": str(cache or work / "cache")}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    out = {"params_dtype": dtype, "fused_head": fused_head, "rc": proc.returncode, "run_dir": str(run_dir)}
+    out = {"params_dtype": dtype, "fused_head": fused_head, "on_policy": on_policy, "rc": proc.returncode,
+           "run_dir": str(run_dir)}
     summary_file = run_dir / "summary.json"
     if proc.returncode != 0 or not summary_file.is_file():
         out.update(ok=False, error=proc.stderr.strip()[-2000:])
         return out
     summary = json.loads(summary_file.read_text())
     final = summary.get("final", {})
-    keys = ("train/loss", "train/kd_loss", "val/lm_loss", "val/kl_to_teacher", "perf/tokens_per_s", "perf/step_ms")
+    # an on-policy step logs its KD loss as train/loss and rollout/kd_loss (no train/kd_loss): checked are its own
+    checked = ("train/loss", "val/lm_loss", "val/kl_to_teacher", *ON_POLICY_KEYS) if on_policy else \
+        ("train/loss", "train/kd_loss", "val/lm_loss", "val/kl_to_teacher")
+    keys = (*dict.fromkeys(("train/loss", "train/kd_loss", "val/lm_loss", "val/kl_to_teacher", *checked)),
+            "perf/tokens_per_s", "perf/step_ms")
     out.update({k: final.get(k) for k in keys}, status=summary.get("status"), steps=summary.get("steps"))
     out["saved_from"] = sorted(_saved_devices(run_dir))
-    finite = all(isinstance(final.get(k), float) and math.isfinite(final[k]) for k in keys[:4])
+    finite = all(isinstance(final.get(k), float) and math.isfinite(final[k]) for k in checked)
     out["ok"] = summary.get("status") == "finished" and summary.get("steps") == steps and finite \
         and out["saved_from"] == ["cuda"]
     return out
@@ -182,6 +199,10 @@ def main(argv=None) -> int:
                 result["distill"].append(distill(work, dtype, args.steps, cache=work / "cache",
                                                  attention=args.attention, fused_head=fused))
                 _say(f"distill {dtype}: {json.dumps(result['distill'][-1])}")
+        _say(f"on-policy distill {args.steps} steps, params bfloat16, loss.fused_head={settings[0]} ...")
+        result["distill"].append(distill(work, "bfloat16", args.steps, cache=work / "cache", attention=args.attention,
+                                         fused_head=settings[0], on_policy=True))
+        _say(f"on-policy distill: {json.dumps(result['distill'][-1])}")
     result["scale"] = []
     for fused in settings if args.scale_steps else ():
         _say(f"{args.teacher} -> {args.student}, seq {args.seq}, {args.scale_steps} KD + {args.lm_steps} LM steps, "
