@@ -94,8 +94,7 @@ def check_rollout(cfg: Any, max_positions: int) -> None:
         if r.on_policy_fraction != 0:
             fail("rollout.on_policy_fraction", r.on_policy_fraction, "must be 0 with rollout=off (dataset batches "
                  "only); choose rollout=on_policy to train on the student's samples")
-        for key in ("estimator", "warmup_steps", "prompts"):
-            default = {"estimator": "distribution", "warmup_steps": 0, "prompts": None}[key]
+        for key, default in (("estimator", "distribution"), ("warmup_steps", 0), ("prompts", None)):
             if getattr(r, key) != default:
                 shown = "null" if default is None else default
                 fail(f"rollout.{key}", getattr(r, key), f"is read by rollout=on_policy only: leave it at {shown} "

@@ -1,9 +1,8 @@
 """The student's rollouts as a source of training tokens (rollout=on_policy), their loss and the on-policy eval metric.
 
 - ``Rollouts``: built once per run from cfg.rollout (kdexp.objective.build). ``on_policy(step)`` says whether a step
-  trains on the student's samples: none before rollout.warmup_steps, then exactly a fraction on_policy_fraction of
-  the steps (step k after the warmup is on-policy when floor((k+1) f) > floor(k f)), a function of the step alone, so
-  it depends neither on the data-parallel size nor on the accumulation (every micro-batch of a step alike).
+  trains on the student's samples (the schedule's one home is kdexp.config.rollout.on_policy_step, which the cost
+  record reads too): a function of the step alone, every micro-batch of a step alike.
   ``sample(student, batch, step)``: the first rollout.prompt_tokens tokens of each dataset sample are the prompt, or
   with rollout.prompts the file's prompts (tokenised by kdexp.data.prompts): global sample i takes line i mod lines,
   a function of the sample index alone (neither the data-parallel size nor the batch moves it); the
@@ -64,7 +63,6 @@ class Rollouts:
     def __init__(self, rollout_cfg, *, seed: int, eos_id: Optional[int], prompts: Optional[torch.Tensor] = None):
         r = rollout_cfg
         self.name, self.estimator = str(r.name), str(r.estimator)
-        self.fraction, self.warmup = float(r.on_policy_fraction), int(r.warmup_steps)
         self.prompt_tokens, self.max_new_tokens = int(r.prompt_tokens), int(r.max_new_tokens)
         self.temperature, self.top_p = float(r.temperature), float(r.top_p)
         self.seed, self.eos_id = int(seed), eos_id
