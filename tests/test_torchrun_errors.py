@@ -8,32 +8,28 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from _launch import LAUNCHERS
-from kdexp.distributed.testing import free_port
+from _launch import command, kdexp_run
 
 pytestmark = pytest.mark.slow
 
 LINE = "kdexp: error: trainer.lr=-1.0 is invalid: must be a finite number > 0"
 
 
-def _launch(tmp_path, env, launcher: list[str], target: list[str]) -> tuple[int, str]:
-    """Runs the launch; for kdexp.run, asserts it wrote nothing: no run dir, nothing new in the cache."""
+def _launch(tmp_path, env, launcher: str, args=(), entry=None) -> tuple[int, str]:
+    """A 2-rank launch under `launcher` (tests/_launch.py's LAUNCHERS); asserts it wrote nothing: no run dir, nothing
+    new in the cache."""
     cache = sorted(Path(env["KDEXP_CACHE"]).rglob("*"))
-    r = subprocess.run([sys.executable, *launcher, "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                        "--master-port", str(free_port()), *target], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=300)
+    r = kdexp_run(args, env, tmp_path, check=False, timeout=300, torchrun=2, launcher=launcher, entry=entry)
     assert not (tmp_path / "run").exists() and sorted(Path(env["KDEXP_CACHE"]).rglob("*")) == cache
     return r.returncode, r.stdout + r.stderr
 
 
 def test_kdexp_torchrun_ends_a_user_error_as_one_process_does(env, tmp_path):
-    rc, out = _launch(tmp_path, env, LAUNCHERS["kdexp"],
-                      ["-m", "kdexp.run", "trainer.lr=-1", f"hydra.run.dir={tmp_path / 'run'}"])
+    rc, out = _launch(tmp_path, env, "kdexp", ["trainer.lr=-1", f"hydra.run.dir={tmp_path / 'run'}"])
     assert rc == 2, out
     # once, whichever rank refused first (torchrun stops the other: rank 0 may not live to say it)
     assert [x for x in out.splitlines() if x.startswith("kdexp:")] == [LINE]
@@ -43,7 +39,7 @@ def test_kdexp_torchrun_ends_a_user_error_as_one_process_does(env, tmp_path):
 def test_kdexp_torchrun_reports_another_failure_without_its_traceback(env, tmp_path):
     script = tmp_path / "fails.py"
     script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
-    rc, out = _launch(tmp_path, env, LAUNCHERS["kdexp"], [str(script)])
+    rc, out = _launch(tmp_path, env, "kdexp", entry=str(script))
     assert rc == 3, out
     root = out.split("Root Cause")[-1]
     assert re.search(r"rank\s*:\s*1 ", root) and re.search(r"exitcode\s*:\s*3 ", root), out
@@ -51,8 +47,7 @@ def test_kdexp_torchrun_reports_another_failure_without_its_traceback(env, tmp_p
 
 
 def test_plain_torchrun_names_kdexps_line_as_the_root_cause(env, tmp_path):
-    rc, out = _launch(tmp_path, env, LAUNCHERS["torchrun"],
-                      ["-m", "kdexp.run", "trainer.lr=-1", f"hydra.run.dir={tmp_path / 'run'}"])
+    rc, out = _launch(tmp_path, env, "torchrun", ["trainer.lr=-1", f"hydra.run.dir={tmp_path / 'run'}"])
     assert rc == 1  # torchrun's own status for any failed worker (documented)
     root = out.split("Root Cause")[-1]
     assert re.search(r"exitcode\s*:\s*2 ", root) and f"traceback : {LINE}" in root, out
@@ -67,8 +62,7 @@ def test_kdexp_torchrun_stopped_by_sigterm_forwards_it_and_ends_in_one_line(env,
     script.write_text("import os, pathlib, time\n"
                       f"pathlib.Path({str(tmp_path)!r}, 'up' + os.environ['RANK']).touch()\n"
                       "time.sleep(600)\n")
-    proc = subprocess.Popen([sys.executable, *LAUNCHERS["kdexp"], "--nproc-per-node", "2", "--master-addr",
-                             "127.0.0.1", "--master-port", str(free_port()), str(script)], cwd=tmp_path, env=env,
+    proc = subprocess.Popen(command([], torchrun=2, launcher="kdexp", entry=str(script)), cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240
     while not ((tmp_path / "up0").exists() and (tmp_path / "up1").exists()) and time.monotonic() < deadline:
