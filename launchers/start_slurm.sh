@@ -30,7 +30,8 @@ fi
 as_root() { if [ -n "$SUDO" ]; then $SUDO "$@"; else "$@"; fi; }
 
 # --- what slurm.conf should say on this machine ------------------------------------------------------------------
-ncpus="$(nproc)"
+# nproc obeys OMP_NUM_THREADS and OMP_THREAD_LIMIT (a test worker or a job step sets them): count the CPUs without.
+ncpus="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
 mem_mb="$(awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo)"  # what `free -m` reports, without procps
 # slurmd drains a node whose real memory is below RealMemory; leave a margin for what the kernel reserves.
 real_mem=$(( mem_mb * 95 / 100 ))

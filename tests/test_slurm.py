@@ -7,6 +7,7 @@ Each point runs as a 2-task SLURM job (the slurm_cpu preset) whose tasks talk ov
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -102,6 +103,18 @@ def task(cfg):
     dist.destroy_process_group()
     return {"sum": t.item(), "world": env.world_size, "ntasks": int(os.environ["SLURM_NTASKS"])}
 """
+
+
+@pytest.mark.slurm
+@pytest.mark.usefixtures("slurm_cluster")
+def test_the_start_script_counts_every_cpu_whatever_omp_num_threads_says():
+    # nproc obeys OMP_NUM_THREADS, which the test workers set to cores // workers: a cluster started from a worker got
+    # a node of one CPU, on which every 2-task job pended for ever (reason PartitionConfig)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_THREAD_LIMIT": "1"}
+    r = subprocess.run(_slurm_cluster.START_CMD, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr
+    node = subprocess.run(["scontrol", "show", "node"], capture_output=True, text=True, check=True).stdout
+    assert int(re.search(r"CPUTot=(\d+)", node).group(1)) == len(os.sched_getaffinity(0)), node
 
 
 @pytest.mark.slurm

@@ -184,3 +184,46 @@ def test_a_refused_run_removes_only_the_empty_dirs_made_for_it(tmp_path):
     (held / "summary.json").write_text("{}")
     claim.refused(held)  # a sweep point's dir that holds files stays
     assert (held / "summary.json").read_text() == "{}"
+
+
+@pytest.mark.parametrize("claimed", [False, True])
+def test_sigterm_before_the_claim_removes_the_dirs_made_for_the_run(tmp_path, claimed):
+    # torchrun SIGTERMs rank 0 when another rank refused: rank 0 may be between Hydra's mkdir and its own refusal
+    made = tmp_path / "outputs" / "day" / "run"
+    script = (f"import os, signal\nfrom kdexp.track import claim\nclaim.note_new_dirs({str(made)!r})\n"
+              "claim.clean_up_on_sigterm_before_claim()\n"
+              f"os.makedirs({str(made)!r})\n"
+              + (f"claim.claim({str(made)!r}, 'k', overwrite=False)\n" if claimed else "")
+              + "os.kill(os.getpid(), signal.SIGTERM)\nraise SystemExit('SIGTERM did not end the process')\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == -15, r.stderr  # ended by the signal, as without the handler
+    if claimed:  # the run's own dir: kept (training's own handler takes over once it starts)
+        assert made.is_dir() and (made / "run.json").is_file()
+    else:
+        assert not (tmp_path / "outputs").exists()
+
+
+def test_under_a_launch_of_several_ranks_a_dir_another_rank_made_counts_as_made_for_the_run(tmp_path, monkeypatch):
+    before = tmp_path / "before"  # the user's empty dir, there before this process started: kept
+    before.mkdir()
+    os.utime(before, (time.time() - 3600,) * 2)
+    monkeypatch.setattr(claim, "_process_start", lambda: time.time() - 1.5)
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    made = tmp_path / "outputs" / "run"
+    made.mkdir(parents=True)  # rank 1's Hydra, before this rank looked
+    claim.note_new_dirs(made)
+    claim.refused(made)  # this rank refused after rank 1 had removed them and its own Hydra had made them again
+    assert not (tmp_path / "outputs").exists()
+    monkeypatch.setattr(claim, "_process_start", lambda: time.time() + 2)  # the dir was there before: kept
+    claim.note_new_dirs(before)
+    claim.refused(before)
+    assert before.is_dir()
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # one process: the exact note only
+        monkeypatch.delenv(key)
+    monkeypatch.setattr(claim, "_process_start", lambda: time.time() - 1.5)
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    claim.note_new_dirs(fresh)
+    claim.refused(fresh)
+    assert fresh.is_dir()

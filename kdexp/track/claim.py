@@ -16,8 +16,9 @@ then ``claim``s its run dir, and only then writes there:
    (``after_claim``).
 
 Hydra creates the run dir before the task runs; a refused run removes it again when it is empty, with the empty
-parents this process created (``note_new_dirs``, called before Hydra's first mkdir). The lock is held by global rank 0
-until the process ends or claims another dir (``release``: a sweep's in-process points, one after another).
+parents this process created (``note_new_dirs``, called before Hydra's first mkdir); so does a run that SIGTERM stops
+before its claim. The lock is held by global rank 0 until the process ends or claims another dir (``release``: a
+sweep's in-process points, one after another).
 """
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ import fcntl
 import logging
 import os
 import shutil
+import signal
 import socket
+import threading
 import weakref
 from pathlib import Path
 from typing import Callable, Optional
@@ -120,15 +123,56 @@ def after_claim(run_dir, action: Callable[[], None]) -> None:
 
 
 def note_new_dirs(run_dir) -> None:
-    """Remember which of ``run_dir`` and its parents do not exist yet (before Hydra makes them), so that a refused
-    run removes them again (``refused``)."""
+    """Remember which of ``run_dir`` and its parents were made for this run (before Hydra makes them), so that a
+    refused run removes them again (``refused``): those that do not exist yet. Under a launch of several processes
+    (torchrun, srun) Hydra makes the dir in every rank, and another rank may have made it before this one looks (and
+    made it again after this one's refusal removed it): there a dir that exists counts as made for this run too when
+    it changed after this process started (``_changed_since``). Only empty dirs are ever removed."""
     path = _key(run_dir)
+    started = _process_start() if launch_env().world_size > 1 else None
     missing = []
-    while not path.exists() and path.parent != path:
+    while path.parent != path and (not path.exists() or (started is not None and _changed_since(path, started))):
         missing.append(path)
         path = path.parent
     _new_dirs[:] = list(reversed(missing))
     _noted[:] = [_key(run_dir)]
+
+
+def _process_start() -> Optional[float]:
+    """This process's start (epoch seconds, to the kernel's clock tick), from /proc; None where there is none."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _changed_since(path: Path, started: Optional[float]) -> bool:
+    """``path``'s inode changed (made, or an entry added or removed) after ``started``, within the second the boot
+    time in /proc is rounded to."""
+    try:
+        return started is not None and path.stat().st_ctime >= started - 1.0
+    except OSError:
+        return False
+
+
+def clean_up_on_sigterm_before_claim() -> None:
+    """From now until the claim, SIGTERM first removes the dirs made for this run (``_stopped_before_claim``)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _stopped_before_claim)
+
+
+def _stopped_before_claim(signum, frame) -> None:
+    """SIGTERM before the run claimed its dir (torchrun stops rank 0 when another rank refused; a scheduler cancels a
+    run still composing): the dirs made for it go, as for a refused run, then the signal ends the process as it
+    would have (status 128 + 15). After the claim the run's own dir stays; training installs its own handler
+    (kdexp.train.signals) once it starts."""
+    if _noted and not is_claimed(_noted[0]):
+        refused(_noted[0])
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
 
 
 def claim(run_dir, key: str, *, overwrite: bool, job=None) -> None:

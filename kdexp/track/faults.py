@@ -30,7 +30,7 @@ from typing import Any, Iterator, NamedTuple, Optional
 from hydra.experimental.callback import Callback
 
 from kdexp.rules import ConfigError
-from kdexp.track.claim import note_new_dirs
+from kdexp.track.claim import clean_up_on_sigterm_before_claim, note_new_dirs
 
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
 PROBE_BYTES = 64 * 1024  # what .hydra/, run.log and the first records need before the first checkpoint
@@ -144,6 +144,7 @@ class WritableDirs(Callback):
 
     def on_run_start(self, config, **kwargs: Any) -> None:
         note_new_dirs(Path(str(config.hydra.run.dir)))  # a refused run removes the dirs made for it
+        clean_up_on_sigterm_before_claim()  # as does one that SIGTERM stops before its claim
         line = probe(Path(str(config.hydra.run.dir)))
         if line is not None:
             stop(line)
