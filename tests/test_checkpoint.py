@@ -17,6 +17,7 @@ import torch
 
 from _launch import kdexp_run, run_env
 from _lone_process import lone_process as _lone_process
+from kdexp.track import faults
 from kdexp.train import checkpoint as ck
 
 
@@ -197,6 +198,8 @@ def test_all_steps_corrupt_is_an_error_naming_every_file(tmp_path):
     assert msg.startswith(f"no intact checkpoint in {ckpt} (steps [6, 3] all failed: ")
     assert str(ckpt / "step_6" / "tp0.pt") in msg and str(ckpt / "step_3" / "tp0.pt") in msg
     assert "remove the directory to start over" in msg
+    # a damaged file: a single run ends with the message as one line, exit 1, not a traceback
+    assert faults.ending(info.value) == faults.Ending(1, f"kdexp: error: {msg}", None)
 
 
 def test_a_checkpoint_of_another_config_is_not_resumed(tmp_path, caplog_kdexp):

@@ -66,6 +66,11 @@ def is_diverged(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(c.__name__ == "Diverged" for c in type(err).__mro__)
 
 
+class DamagedFile(RuntimeError):
+    """A file the run needs is damaged, missing or refused (its checkpoints, the shipped teacher): the message names
+    the file and what to do; a single run ends with it as one line, exit 1, a sweep point records it as its error."""
+
+
 class Ending(NamedTuple):
     """How a single run that raised ends. ``code``: the exit status; ``line``: printed on stderr instead of a
     traceback (None: the traceback, Hydra prints it); ``traceback_as``: the heading under which run_point records the
@@ -79,7 +84,8 @@ class Ending(NamedTuple):
 def ending(exc: BaseException) -> Ending:
     """Which errors end a single run with one line, decided once: a config error that only the data or the teacher
     cache shows (``kdexp.rules.ConfigError``: exit 2), a divergence (exit 1; summary.json and the traceback say
-    where), a disk fault anywhere in the chain (exit 1, the path and the cause). Anything else is a traceback, exit 1.
+    where), a disk fault anywhere in the chain or a damaged file (``DamagedFile``; exit 1, the path and the cause).
+    Anything else is a traceback, exit 1.
     In a sweep every exception goes to the sweep callback instead (kdexp.track.sweep)."""
     if isinstance(exc, ConfigError):
         return Ending(2, f"kdexp: error: {exc}", None)
@@ -94,11 +100,12 @@ def ending(exc: BaseException) -> Ending:
 def one_line(exc: Optional[BaseException]) -> Optional[str]:
     """The line a single run prints instead of a traceback (after ``kdexp: error: ``), which a sweep point that
     raised `exc` prints and records as its error too: `describe` of the disk fault in `exc`'s chain, or the message
-    of a ``ConfigError`` (a value only the prepared data or the teacher cache shows wrong); None for anything else."""
+    of a ``ConfigError`` (a value only the prepared data or the teacher cache shows wrong) or a ``DamagedFile``; None
+    for anything else."""
     fault = disk_fault(exc)
     if fault is not None:
         return describe(fault)
-    return str(exc) if isinstance(exc, ConfigError) else None
+    return str(exc) if isinstance(exc, (ConfigError, DamagedFile)) else None
 
 
 @contextlib.contextmanager

@@ -111,7 +111,7 @@ def check_plain(obj: Any, where: str = "state") -> None:
                         "the state_dict that produced it")
 
 
-class UnsafeCheckpoint(RuntimeError):
+class UnsafeCheckpoint(faults.DamagedFile):
     """A checkpoint file that asks the unpickler for more than tensors and plain values: refused, never run."""
 
 
@@ -308,7 +308,7 @@ def load(ckpt_dir: Path, *, config_hash: Optional[str] = None) -> Optional[dict[
     ckpt_dir = Path(ckpt_dir)
     candidates, error = from_rank0(_candidates(ckpt_dir) if st.rank == 0 else None)
     if error is not None:  # every rank raises (rank 0 alone would leave the others waiting in a collective)
-        raise RuntimeError(error)
+        raise faults.DamagedFile(error)
     bad: list[str] = []
     for n, step in enumerate(candidates):
         state, reason = _load_local(step_dir(ckpt_dir, step) / f"tp{st.tp_rank}.pt")
@@ -332,6 +332,6 @@ def load(ckpt_dir: Path, *, config_hash: Optional[str] = None) -> Optional[dict[
             for r in reasons:
                 log.warning("checkpoint step %d is not intact: %s; %s", step, r, nxt)
     if bad:
-        raise RuntimeError(f"no intact checkpoint in {ckpt_dir} (steps {candidates} all failed: {'; '.join(bad)}); "
-                           "remove the directory to start over")
+        raise faults.DamagedFile(f"no intact checkpoint in {ckpt_dir} (steps {candidates} all failed: "
+                                 f"{'; '.join(bad)}); remove the directory to start over")
     return None

@@ -23,7 +23,7 @@ import torch
 from kdexp import assets, distributed, models
 from kdexp.data import batches, prepare
 from kdexp.data import cache as data_cache
-from kdexp.track import cost, records
+from kdexp.track import cost, faults, records
 from kdexp.train import optim
 from kdexp.train.batches import batch_to
 from kdexp.train.step import NonFiniteGuard, lm_backward, optimizer_step
@@ -41,8 +41,8 @@ def check_shipped() -> None:
     """The shipped teacher is intact (its sha256 manifest): a damaged install is an error, never a silent load."""
     problem = data_cache.verify(assets.SHIPPED_TEACHER)
     if problem:
-        raise RuntimeError(f"the shipped teacher is damaged: {problem}. Reinstall kdexp (or git checkout "
-                           "kdexp/assets/teacher), or set model.embedded_teacher=pretrain to pretrain one here")
+        raise faults.DamagedFile(f"the shipped teacher is damaged: {problem}. Reinstall kdexp (or git checkout "
+                                 "kdexp/assets/teacher), or set model.embedded_teacher=pretrain to pretrain one here")
 
 
 def pretrain_seq_length(cfg) -> int:
