@@ -209,3 +209,26 @@ def test_notebook_shows_replicates(rep, tmp_path, monkeypatch):
     assert f"{mean:.4f} ± {sd:.4f} [{lo:.4f}, {hi:.4f}]" in html  # the configurations table
     assert "not significant at 95%" in html and "significant at 95%" in html  # the paired differences
     assert "NOT significantly better than the runner-up arm=top_p" in markdown
+
+
+def test_onpolicy_reverse_kl_is_reported_where_the_points_logged_it(tmp_path, monkeypatch, capsys):
+    from kdexp.report.__main__ import main as report_main
+    from kdexp.report.comparisons import configurations_table as configs_table
+
+    before = load_sweep(make_replicate_sweep(tmp_path / "old"))  # logged before the metric existed: no dashes column
+    assert "val/onpolicy_reverse_kl" not in points_table(before).columns
+    assert "val/onpolicy_reverse_kl" not in best_points(before)
+    onpolicy = {"before": (2.0, 2.2, 2.1), "after": (1.5, 1.6, 1.7), "top_p": (1.9, 2.3, 2.0)}
+    monkeypatch.setitem(VALUES, "val/onpolicy_reverse_kl", onpolicy)
+    root = make_replicate_sweep(tmp_path / "new")
+    sweep = load_sweep(root)
+    table = configs_table(sweep)
+    assert table.columns.index("val/onpolicy_reverse_kl") == table.columns.index("val/kl_to_teacher") + 1
+    best = best_points(sweep)["val/onpolicy_reverse_kl"]  # lower is better
+    assert best.ranking.best.label == "arm=after"
+    rows = {(r[0], r[1]): dict(zip(differences_table(sweep).columns, r)) for r in differences_table(sweep).rows}
+    mean, lo, hi, p = hand_paired(onpolicy["after"], onpolicy["before"])
+    assert rows[("val/onpolicy_reverse_kl", "arm=after")]["difference"] == pytest.approx(mean, abs=1e-12)
+    assert rows[("val/onpolicy_reverse_kl", "arm=after")]["p"] == pytest.approx(p, rel=1e-9)
+    assert report_main([str(root), "--pairs", "arm=after:arm=before"]) == 0  # --pairs' default metrics hold it too
+    assert [x for x in capsys.readouterr().out.splitlines() if "val/onpolicy_reverse_kl" in x]

@@ -272,3 +272,49 @@ def test_ablation_pairs_command_on_its_arms(tmp_path, capsys):
     # the same comparisons named by key=value, the arm key written out
     assert main([str(root), "--pairs", "arm=k8_ghost:arm=k8_renorm", "--metric", KL]) == 0
     assert "| k8_ghost | k8_renorm | 5 |" in capsys.readouterr().out
+
+
+def test_on_policy_pairs_command_on_its_arms(tmp_path, capsys, monkeypatch):
+    """docs/on-policy.md's --pairs command as printed, over a sweep dir shaped like experiment=on_vs_off_policy
+    (5 arms x 5 seeds; val/onpolicy_reverse_kl logged as every run logs it): its 10 rows in the order asked, p as
+    scipy's paired t test gives it, Holm over the 10."""
+    import random
+    import re
+    import shlex
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "on-policy.md").read_text()
+    block = re.search(r"<!-- covered: tests/test_report_trainings.py::test_on_policy_pairs_command_on_its_arms -->\n"
+                      r"```bash\n(.+?)\n```", text).group(1)
+    argv = shlex.split(block)
+    assert argv[:3] == ["python", "-m", "kdexp.report"]
+    rng = random.Random(11)
+    root = _sweep_dir(tmp_path / argv[3])
+    values, num = {}, 0
+    for arm_i, arm in enumerate(("op_off", "op_ghost", "op_renorm", "op_sampled_token", "op_mix")):
+        for seed in range(1, 6):
+            final = {"val/kl_to_teacher": 2.0 + 0.1 * arm_i + rng.gauss(0, 0.05),
+                     "val/onpolicy_reverse_kl": 1.9 + 0.2 * arm_i * (arm_i % 2) + rng.gauss(0, 0.05),
+                     "val/lm_loss": 5.0 + rng.gauss(0, 0.05), "val/top1_agreement": 0.25 + rng.gauss(0, 0.01)}
+            values[(arm, seed)] = final
+            config = {**tiny_config(1.0, "topk", arm=arm), "trainer": {"seed": seed, "max_steps": 4}}
+            write_run_dir(root / str(num), overrides=["experiment=on_vs_off_policy", f"arm={arm}",
+                                                      f"trainer.seed={seed}"], config=config, choices={"arm": arm},
+                          num=num, steps=4, final=final)
+            num += 1
+    monkeypatch.chdir(tmp_path)
+    assert main(argv[3:]) == 0
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| val/")]
+    pairs = [a.split(":") for a in argv[argv.index("--pairs") + 1:argv.index("--metric")]]
+    metrics = ("val/onpolicy_reverse_kl", "val/kl_to_teacher")
+    assert [(r[0], r[1], r[2]) for r in rows] == [(m, a, b) for a, b in pairs for m in metrics]
+    raw = [sps.ttest_rel([values[(a, s)][m] for s in range(1, 6)], [values[(b, s)][m] for s in range(1, 6)]).pvalue
+           for a, b in pairs for m in metrics]
+    running, by_hand = 0.0, [0.0] * len(raw)  # Holm's step-down, by hand
+    for rank, i in enumerate(sorted(range(len(raw)), key=lambda i: raw[i])):
+        running = max(running, min(1.0, (len(raw) - rank) * raw[i]))
+        by_hand[i] = running
+    for row, p, ph in zip(rows, raw, by_hand):
+        for shown, want in ((row[7], p), (row[8], ph)):
+            assert shown == "<0.0001" if want < 1e-4 else float(shown) == pytest.approx(want, abs=1e-4)
+        assert row[9] == ("**significant**" if ph < 0.05 else "not significant")

@@ -42,7 +42,7 @@ def parser() -> argparse.ArgumentParser:
                         "swept values, e.g. arm=k8_ghost:arm=k8_renorm or alpha=0.5:alpha=1.0")
     p.add_argument("--metric", metavar="METRIC", action="append", default=None,
                    help="with --pairs: a metric to compare (repeat for several; default: val/kl_to_teacher, "
-                        "val/lm_loss, val/top1_agreement)")
+                        "val/onpolicy_reverse_kl where the points logged it, val/lm_loss, val/top1_agreement)")
     p.add_argument("--effect", metavar="DELTA", type=float, default=None,
                    help="with --pairs: the difference (in the metric's units) the seeds-needed column is for "
                         "(default: the observed difference)")
@@ -119,10 +119,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _print_pairs(sweep, args) -> int:
     from kdexp.report.pairs import PAIR_METRICS, pairs_table, parse_pairs
-    from kdexp.report.tables import to_markdown
+    from kdexp.report.tables import shown, to_markdown
 
     try:
-        table = pairs_table(sweep, parse_pairs(sweep, args.pairs), tuple(args.metric or PAIR_METRICS),
+        table = pairs_table(sweep, parse_pairs(sweep, args.pairs), tuple(args.metric or shown(sweep, PAIR_METRICS)),
                             effect=args.effect)
     except ValueError as exc:
         print(f"kdexp.report: {exc}", file=sys.stderr)

@@ -8,13 +8,15 @@ from kdexp.report.model import Sweep, short
 from kdexp.report.ranges import MIN_INTERVAL_N, SMALL_N_MARK, t_factor
 from kdexp.report.replicates import Configuration, configurations, has_replicates, is_timing, rank
 from kdexp.report.stats import compare
-from kdexp.report.tables import TABLE_METRICS, Table, fmt_p, goal, summary_notes, summary_text, verdict
+from kdexp.report.tables import TABLE_METRICS, Table, fmt_p, goal, shown, summary_notes, summary_text, verdict
 
 
-def configurations_table(sweep: Sweep, metrics: tuple[str, ...] = TABLE_METRICS) -> Optional[Table]:
+def configurations_table(sweep: Sweep, metrics: Optional[tuple[str, ...]] = None) -> Optional[Table]:
     """One row per configuration (the points differing only in trainer.seed): the swept values, n finished of the
-    points, the seeds, each metric as mean ± std [95% t interval] over the finished replicates (raw values: the
-    Summary), the statuses; the best mean bold. None without a swept seed."""
+    points, the seeds, each metric (default TABLE_METRICS, those logged: ``shown``) as mean ± std [95% t interval]
+    over the finished replicates (raw values: the Summary), the statuses; the best mean bold. None without a swept
+    seed."""
+    metrics = shown(sweep, TABLE_METRICS) if metrics is None else metrics
     if not has_replicates(sweep):
         return None
     configs = configurations(sweep)
@@ -40,10 +42,12 @@ def configurations_table(sweep: Sweep, metrics: tuple[str, ...] = TABLE_METRICS)
     return table
 
 
-def differences_table(sweep: Sweep, metrics: tuple[str, ...] = TABLE_METRICS) -> Optional[Table]:
-    """Each configuration against a reference, per metric: the first arm when the sweep has arms (before/after),
-    else the best configuration. The difference of means, its 95% t interval, paired by seed (Welch when fewer than
-    2 seeds are shared), p and the verdict. Timing metrics are not compared. None without a swept seed."""
+def differences_table(sweep: Sweep, metrics: Optional[tuple[str, ...]] = None) -> Optional[Table]:
+    """Each configuration against a reference, per metric (default TABLE_METRICS, those logged: ``shown``): the first
+    arm when the sweep has arms (before/after), else the best configuration. The difference of means, its 95% t
+    interval, paired by seed (Welch when fewer than 2 seeds are shared), p and the verdict. Timing metrics are not
+    compared. None without a swept seed."""
+    metrics = shown(sweep, TABLE_METRICS) if metrics is None else metrics
     if not has_replicates(sweep):
         return None
     configs = configurations(sweep)

@@ -24,7 +24,7 @@ from kdexp.report.stats import MAX_SEEDS, compare, holm, seeds_needed, summarize
 from kdexp.report.tables import Table, fmt_p
 from kdexp.track.records import parse_scalar
 
-PAIR_METRICS = ("val/kl_to_teacher", "val/lm_loss", "val/top1_agreement")
+PAIR_METRICS = ("val/kl_to_teacher", "val/onpolicy_reverse_kl", "val/lm_loss", "val/top1_agreement")
 ALPHA = 0.05
 POWER = 0.8
 

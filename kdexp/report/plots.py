@@ -26,7 +26,7 @@ from kdexp.report.replicates import Configuration, configurations, has_replicate
 from kdexp.report.stats import Summary, summarize
 from kdexp.report.tables import TABLE_METRICS
 
-CURVE_METRICS = ("train/loss", "val/lm_loss", "val/kl_to_teacher", "val/top1_agreement")
+CURVE_METRICS = ("train/loss", "val/lm_loss", "val/kl_to_teacher", "val/onpolicy_reverse_kl", "val/top1_agreement")
 _STYLE = {"finished": "-", "running": "--", "failed": ":", "diverged": ":", "pending": ":", "interrupted": ":"}
 
 

@@ -22,13 +22,22 @@ from kdexp.report.stats import Difference, Summary, holm
 from kdexp.track.records import parse_scalar
 
 # The per-point table's metric columns, in order.
-TABLE_METRICS = ("val/lm_loss", "val/kl_to_teacher", "val/top1_agreement", "train/kept_mass", "perf/tokens_per_s")
+TABLE_METRICS = ("val/lm_loss", "val/kl_to_teacher", "val/onpolicy_reverse_kl", "val/top1_agreement", "train/kept_mass",
+                 "perf/tokens_per_s")
 # Which way is better. train/kept_mass is left out on purpose: it describes the loss setting (a larger Top-K keeps
 # more teacher mass), it is not something to maximise. Timing metrics have no goal here: points of a sweep run under
 # different machine load (other points, other users), so a faster point is no finding (replicates.is_timing).
 GOALS = {"val/lm_loss": "min", "val/kl_to_teacher": "min", "val/top1_agreement": "max", "val/onpolicy_reverse_kl": "min",
          "train/loss": "min", "train/lm_loss": "min", "train/kd_loss": "min"}
-BEST_METRICS = ("val/lm_loss", "val/kl_to_teacher", "val/top1_agreement")
+BEST_METRICS = ("val/lm_loss", "val/kl_to_teacher", "val/onpolicy_reverse_kl", "val/top1_agreement")
+# Metrics shown only where some point logged them: runs made before it existed, and runs that cannot generate
+# (sequence parallelism), have no val/onpolicy_reverse_kl; a column of dashes would say nothing.
+IF_LOGGED = ("val/onpolicy_reverse_kl",)
+
+
+def shown(sweep: Sweep, metrics: tuple[str, ...]) -> tuple[str, ...]:
+    """``metrics`` less those of IF_LOGGED that no point of ``sweep`` logged (in its final metrics)."""
+    return tuple(m for m in metrics if m not in IF_LOGGED or any(m in p.final for p in sweep.points))
 
 
 def goal(metric: str) -> Optional[str]:
@@ -157,9 +166,11 @@ def verdict(d: Optional[Difference]) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-def best_points(sweep: Sweep, metrics: tuple[str, ...] = BEST_METRICS) -> dict[str, Best]:
-    """The best finished configuration per metric (min for losses/KL, max for agreement; the mean over its seeds;
-    first on ties), with its comparison against the runner-up. Timing metrics are never ranked."""
+def best_points(sweep: Sweep, metrics: Optional[tuple[str, ...]] = None) -> dict[str, Best]:
+    """The best finished configuration per metric (default BEST_METRICS, those logged: ``shown``; min for losses/KL,
+    max for agreement; the mean over its seeds; first on ties), with its comparison against the runner-up. Timing
+    metrics are never ranked."""
+    metrics = shown(sweep, BEST_METRICS) if metrics is None else metrics
     out = {}
     configs = configurations(sweep)
     for metric in metrics:
@@ -235,8 +246,10 @@ def _status_text(p: Point, metrics: tuple[str, ...]) -> str:
     return text + (f"; counted once with {', '.join(p.copies)}" if p.copies else "")
 
 
-def points_table(sweep: Sweep, metrics: tuple[str, ...] = TABLE_METRICS) -> Table:
-    """One row per point: name, swept values, final metrics, steps, status, error (one line)."""
+def points_table(sweep: Sweep, metrics: Optional[tuple[str, ...]] = None) -> Table:
+    """One row per point: name, swept values, final metrics (default TABLE_METRICS, those logged: ``shown``), steps,
+    status, error (one line)."""
+    metrics = shown(sweep, TABLE_METRICS) if metrics is None else metrics
     columns = ["point", *sweep.swept, *metrics, "steps", "status", "error"]
     rows, text = [], []
     for p in sweep.points:
@@ -258,10 +271,11 @@ def summarize_arm(points: list[Point], metric: str) -> Summary:
     return Configuration({}, list(points)).summary(metric)
 
 
-def arms_table(sweep: Sweep, metrics: tuple[str, ...] = TABLE_METRICS) -> Optional[Table]:
+def arms_table(sweep: Sweep, metrics: Optional[tuple[str, ...]] = None) -> Optional[Table]:
     """The arms side by side: one column per arm; rows = points, the config keys the arms set differently, then each
-    metric averaged over the arm's finished points with its change against the first arm (NaN with the count when
-    a replicate is non-finite). None without arms."""
+    metric (default TABLE_METRICS, those logged: ``shown``) averaged over the arm's finished points with its change
+    against the first arm (NaN with the count when a replicate is non-finite). None without arms."""
+    metrics = shown(sweep, TABLE_METRICS) if metrics is None else metrics
     arms = sweep.arms
     if not arms:
         return None
@@ -349,6 +363,6 @@ def summary_line(sweep: Sweep) -> str:
     return line
 
 
-__all__ = ["TABLE_METRICS", "GOALS", "BEST_METRICS", "Table", "Best", "goal", "fmt", "best_points", "best_lines",
+__all__ = ["TABLE_METRICS", "GOALS", "BEST_METRICS", "IF_LOGGED", "shown", "Table", "Best", "goal", "fmt", "best_points", "best_lines",
            "points_table", "arms_table", "to_markdown", "to_html",
            "summary_line", "swept_text", "summary_text", "summary_notes", "difference_text", "verdict"]
