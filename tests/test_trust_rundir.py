@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -193,7 +194,8 @@ def test_sigterm_before_the_claim_removes_the_dirs_made_for_the_run(tmp_path, cl
     script = (f"import os, signal\nfrom kdexp.track import claim\nclaim.note_new_dirs({str(made)!r})\n"
               "claim.clean_up_on_sigterm_before_claim()\n"
               f"os.makedirs({str(made)!r})\n"
-              + (f"claim.claim({str(made)!r}, 'k', overwrite=False)\n" if claimed else "")
+              + (f"claim.claim({str(made)!r}, 'k', overwrite=False)\n"
+                 "assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL\n" if claimed else "")
               + "os.kill(os.getpid(), signal.SIGTERM)\nraise SystemExit('SIGTERM did not end the process')\n")
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == -15, r.stderr  # ended by the signal, as without the handler
@@ -203,27 +205,24 @@ def test_sigterm_before_the_claim_removes_the_dirs_made_for_the_run(tmp_path, cl
         assert not (tmp_path / "outputs").exists()
 
 
-def test_under_a_launch_of_several_ranks_a_dir_another_rank_made_counts_as_made_for_the_run(tmp_path, monkeypatch):
-    before = tmp_path / "before"  # the user's empty dir, there before this process started: kept
-    before.mkdir()
-    os.utime(before, (time.time() - 3600,) * 2)
-    monkeypatch.setattr(claim, "_process_start", lambda: time.time() - 1.5)
-    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
-        monkeypatch.setenv(key, value)
-    made = tmp_path / "outputs" / "run"
-    made.mkdir(parents=True)  # rank 1's Hydra, before this rank looked
-    claim.note_new_dirs(made)
-    claim.refused(made)  # this rank refused after rank 1 had removed them and its own Hydra had made them again
-    assert not (tmp_path / "outputs").exists()
-    monkeypatch.setattr(claim, "_process_start", lambda: time.time() + 2)  # the dir was there before: kept
-    claim.note_new_dirs(before)
-    claim.refused(before)
-    assert before.is_dir()
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):  # one process: the exact note only
-        monkeypatch.delenv(key)
-    monkeypatch.setattr(claim, "_process_start", lambda: time.time() - 1.5)
-    fresh = tmp_path / "fresh"
-    fresh.mkdir()
-    claim.note_new_dirs(fresh)
-    claim.refused(fresh)
-    assert fresh.is_dir()
+def test_under_a_launch_of_several_ranks_the_others_wait_for_rank_0_to_claim_the_run_dir(tmp_path, monkeypatch):
+    # when every rank's Hydra made the dir, one rank's refusal removed it and another's Hydra made it again: left behind
+    run_dir = tmp_path / "outputs" / "run"
+
+    def rank0_claims():  # rank 0's Hydra makes the dir, its claim takes the lock
+        run_dir.mkdir(parents=True)
+        (run_dir / claim.LOCK).touch()
+
+    rank0 = threading.Timer(0.5, rank0_claims)
+    start = time.monotonic()
+    rank0.start()
+    claim.wait_for_rank_0(run_dir)
+    rank0.join()
+    assert time.monotonic() - start >= 0.4 and (run_dir / claim.LOCK).is_file()
+    claim.note_new_dirs(run_dir)  # this rank made nothing: its refusal removes nothing (rank 0's does)
+    claim.refused(run_dir)
+    assert run_dir.is_dir()
+    monkeypatch.setattr(claim, "WAIT_FOR_RANK_0_S", 0.2)  # rank 0 never claims (stopped): the wait ends
+    start = time.monotonic()
+    claim.wait_for_rank_0(tmp_path / "never")
+    assert 0.15 <= time.monotonic() - start < 5 and not (tmp_path / "never").exists()

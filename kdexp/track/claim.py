@@ -17,8 +17,9 @@ then ``claim``s its run dir, and only then writes there:
 
 Hydra creates the run dir before the task runs; a refused run removes it again when it is empty, with the empty
 parents this process created (``note_new_dirs``, called before Hydra's first mkdir); so does a run that SIGTERM stops
-before its claim. The lock is held by global rank 0 until the process ends or claims another dir (``release``: a
-sweep's in-process points, one after another).
+before its claim. Under a launch of several processes the other ranks wait for rank 0's claim before their Hydra
+makes the dir (``wait_for_rank_0``). The lock is held by global rank 0 until the process ends or claims another dir
+(``release``: a sweep's in-process points, one after another).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import shutil
 import signal
 import socket
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Callable, Optional
@@ -55,6 +57,7 @@ _new_dirs: list[Path] = []  # dirs this process is about to create for its run (
 _noted: list[Path] = []  # the run dir _new_dirs was noted for
 _fresh: set[Path] = set()  # claimed dirs that held nothing of a run before this process claimed them
 _claimed_unlocked: set[Path] = set()  # claimed on a rank other than 0, or where the filesystem has no flock
+WAIT_FOR_RANK_0_S = 120.0  # wait_for_rank_0: how long the other ranks wait for rank 0's claim of the run dir
 
 
 def _key(run_dir) -> Path:
@@ -123,45 +126,42 @@ def after_claim(run_dir, action: Callable[[], None]) -> None:
 
 
 def note_new_dirs(run_dir) -> None:
-    """Remember which of ``run_dir`` and its parents were made for this run (before Hydra makes them), so that a
-    refused run removes them again (``refused``): those that do not exist yet. Under a launch of several processes
-    (torchrun, srun) Hydra makes the dir in every rank, and another rank may have made it before this one looks (and
-    made it again after this one's refusal removed it): there a dir that exists counts as made for this run too when
-    it changed after this process started (``_changed_since``). Only empty dirs are ever removed."""
+    """Remember which of ``run_dir`` and its parents do not exist yet (before Hydra makes them), so that a refused
+    run removes them again (``refused``)."""
     path = _key(run_dir)
-    started = _process_start() if launch_env().world_size > 1 else None
     missing = []
-    while path.parent != path and (not path.exists() or (started is not None and _changed_since(path, started))):
+    while not path.exists() and path.parent != path:
         missing.append(path)
         path = path.parent
     _new_dirs[:] = list(reversed(missing))
     _noted[:] = [_key(run_dir)]
 
 
-def _process_start() -> Optional[float]:
-    """This process's start (epoch seconds, to the kernel's clock tick), from /proc; None where there is none."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
-
-
-def _changed_since(path: Path, started: Optional[float]) -> bool:
-    """``path``'s inode changed (made, or an entry added or removed) after ``started``, within the second the boot
-    time in /proc is rounded to."""
-    try:
-        return started is not None and path.stat().st_ctime >= started - 1.0
-    except OSError:
-        return False
+def wait_for_rank_0(run_dir) -> None:
+    """On a rank other than global rank 0 of a launch of several processes (torchrun, srun), before Hydra makes
+    ``run_dir`` there: wait until rank 0 has claimed it (its lock file is there; at most ``WAIT_FOR_RANK_0_S``, for a
+    run dir rank 0 cannot share). Rank 0 alone checks, makes, and on a refusal removes the run dir: when every rank's
+    Hydra made it, one rank's refusal could remove it and another rank's Hydra make it again, and the dir stayed
+    behind. A refused config is refused by rank 0 before its claim, and the launcher then stops the waiting ranks."""
+    lock = Path(run_dir) / LOCK
+    deadline = time.monotonic() + WAIT_FOR_RANK_0_S
+    while not lock.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def clean_up_on_sigterm_before_claim() -> None:
-    """From now until the claim, SIGTERM first removes the dirs made for this run (``_stopped_before_claim``)."""
+    """From now until the claim, SIGTERM first removes the dirs made for this run (``_stopped_before_claim``); the
+    claim puts the default action back (``_claimed_sigterm``)."""
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _stopped_before_claim)
+
+
+def _claimed_sigterm() -> None:
+    """The claim is made: SIGTERM's default action again, so that training's handler (kdexp.train.signals), which
+    calls the handler it replaced after its checkpoint, finds no handler of the unclaimed run to call."""
+    ours = signal.getsignal(signal.SIGTERM) is _stopped_before_claim
+    if ours and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _stopped_before_claim(signum, frame) -> None:
@@ -211,6 +211,7 @@ def claim(run_dir, key: str, *, overwrite: bool, job=None) -> None:
         from kdexp.track.hydra_adapter import save_job_files
 
         save_job_files(run_dir / HYDRA_DIR, job)
+    _claimed_sigterm()
     for log in list(_RUN_LOGS):
         log.flush_held()
     for action in _waiting.pop(_key(run_dir), []):

@@ -29,8 +29,9 @@ from typing import Any, Iterator, NamedTuple, Optional
 
 from hydra.experimental.callback import Callback
 
+from kdexp.distributed.launch import launch_env
 from kdexp.rules import ConfigError
-from kdexp.track.claim import clean_up_on_sigterm_before_claim, note_new_dirs
+from kdexp.track.claim import clean_up_on_sigterm_before_claim, note_new_dirs, wait_for_rank_0
 
 DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
 PROBE_BYTES = 64 * 1024  # what .hydra/, run.log and the first records need before the first checkpoint
@@ -150,7 +151,11 @@ class WritableDirs(Callback):
     callback's ordinary exception into a warning and goes on."""
 
     def on_run_start(self, config, **kwargs: Any) -> None:
-        note_new_dirs(Path(str(config.hydra.run.dir)))  # a refused run removes the dirs made for it
+        run_dir = Path(str(config.hydra.run.dir))
+        launch = launch_env()
+        if launch.world_size > 1 and launch.rank != 0:
+            wait_for_rank_0(run_dir)  # rank 0 makes the run dir (and removes it when it refuses)
+        note_new_dirs(run_dir)  # a refused run removes the dirs made for it
         clean_up_on_sigterm_before_claim()  # as does one that SIGTERM stops before its claim
         line = probe(Path(str(config.hydra.run.dir)))
         if line is not None:
