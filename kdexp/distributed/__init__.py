@@ -15,6 +15,7 @@ Typical use (trainer)::
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import importlib
@@ -123,6 +124,10 @@ def initialize(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int =
         hostmem.keep_freed_memory()  # the step's large tensors reuse freed heap blocks, not fresh pages
     backend = "nccl" if use_cuda else "gloo"
     rank, world, local_rank, source = _init_process_group(backend)
+    global _AT_EXIT
+    if not _AT_EXIT:
+        atexit.register(_destroy_at_exit)
+        _AT_EXIT = True
     if world % (tp * pp) != 0:
         raise ValueError(
             f"parallel.tensor={tp} (x parallel.pipeline={pp}) must divide the world size {world}")
@@ -233,8 +238,27 @@ def rank0_decides(flag: bool) -> bool:
     return bool(value.item())
 
 
+_ENDED_CLEANLY = False  # ended_cleanly(): the process group is destroyed at exit
+_AT_EXIT = False  # _destroy_at_exit registered
+
+
+def ended_cleanly() -> None:
+    """Every rank is done with its collectives (the run finished, or every rank agreed to stop after a checkpoint):
+    the process group is destroyed at the interpreter's exit (an atexit handler of initialize()), as torch asks.
+    Without it gloo's worker threads now and then abort the exit (SIGABRT, "terminate called without an active
+    exception"): a finished TP 2 run that torchrun then reports as failed. Not after a failure, where a peer may still
+    wait in a collective and destroying the group can hang."""
+    global _ENDED_CLEANLY
+    _ENDED_CLEANLY = True
+
+
+def _destroy_at_exit() -> None:
+    if _ENDED_CLEANLY and dist.is_available() and dist.is_initialized():
+        destroy()
+
+
 def destroy() -> None:
-    """Tear down megatron's parallel state and the process group (tests; end of a run)."""
+    """Tear down megatron's parallel state and the process group (tests; the end of a run: ended_cleanly)."""
     global _STATE
     from megatron.core import parallel_state as ps
 

@@ -103,7 +103,9 @@ def run_point(cfg, *, flops_per_token: Callable[[Any], dict]) -> dict:
     ``flops_per_token(cfg)``: the model FLOPs per trained token its cost record counts (kdexp.plan.flops_per_token)."""
     run_dir, multirun, overrides, hc = _identity(cfg)
     try:
-        return _run_point(cfg, run_dir, multirun, overrides, hc, flops_per_token)
+        result = _run_point(cfg, run_dir, multirun, overrides, hc, flops_per_token)
+        distributed.ended_cleanly()  # the process group goes at exit (gloo's threads otherwise may abort it)
+        return result
     except Exception as exc:
         heading = faults.ending(exc).traceback_as  # a disk fault or a config error is one line (kdexp.run)
         if not multirun and sweep.global_rank() == 0 and heading is not None:

@@ -39,6 +39,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from kdexp import distributed
+
 log = logging.getLogger("kdexp")
 
 
@@ -105,6 +107,7 @@ class Preemption:
                 raised = exc
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
+        distributed.ended_cleanly()  # every rank stops here, after the barrier: the group can go at exit
         if raised is not None:
             raise raised
         raise Preempted(signum, step, message)
