@@ -9,11 +9,11 @@ below is that, per test module, for the modules that run `python -m kdexp.run` i
 
 Placement under ``--dist loadgroup`` (pytest_xdist_make_scheduler below): each module's tests are one work unit, run
 on one worker (module fixtures, such as a module's smoke run or its own cache, are then built once), except the
-modules in SHARED_GROUPS, which share a unit because they share a build memoized per process, and the cases of
-SPLIT_TESTS, each a unit; units start heaviest first (HEAVY_FIRST) so that the longest ones do not start last and
-leave the other worker idle. Under N workers
-each one, and every run it starts, gets OMP_NUM_THREADS = cores // N (unless the shell set it): torch's threads of
-two workers on two cores would otherwise spin against each other.
+modules in SHARED_GROUPS, which share a unit because they share a build memoized per process or a build dir, and
+the cases of SPLIT_TESTS, each a unit; units start heaviest first (HEAVY_FIRST) so that the longest ones do not start
+last and leave the other worker idle. Under N workers each one, and every run it starts, gets OMP_NUM_THREADS =
+cores // N (unless the shell set it): torch's threads of two workers on two cores would otherwise spin against each
+other.
 """
 from __future__ import annotations
 
@@ -31,8 +31,11 @@ _SESSION_CACHE: list[str] = []
 _WORKER = "PYTEST_XDIST_WORKER"
 
 # Modules that read one build memoized per process (tests/sweeps.py's real tiny sweep): one group, one worker, one
-# build. The SLURM tests are one module already (one cluster, jobs queued on one node).
-SHARED_GROUPS = {"test_report": "real_sweep", "test_notebook": "real_sweep", "test_tensorboard": "real_sweep"}
+# build. Modules that build kdexp's wheel from the source tree, one after another: setuptools writes build/ and
+# kdexp.egg-info there, and two builds at once clobbered each other's (a CI run's three test_package errors). The
+# SLURM tests are one module already (one cluster, jobs queued on one node).
+SHARED_GROUPS = {"test_report": "real_sweep", "test_notebook": "real_sweep", "test_tensorboard": "real_sweep",
+                 "test_package": "wheel_builds", "test_wheelhouse": "wheel_builds"}
 # Groups in the order they start, before all others (which keep their collection order): the ones that run the most
 # processes (subprocess runs, torchrun pairs, SLURM jobs) first.
 HEAVY_FIRST = ("test_train", "test_scale", "test_slurm", "real_sweep", "test_teacher_cache_run",
