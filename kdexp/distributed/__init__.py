@@ -124,10 +124,8 @@ def initialize(tensor_parallel: int = 1, pipeline_parallel: int = 1, seed: int =
         hostmem.keep_freed_memory()  # the step's large tensors reuse freed heap blocks, not fresh pages
     backend = "nccl" if use_cuda else "gloo"
     rank, world, local_rank, source = _init_process_group(backend)
-    global _AT_EXIT
-    if not _AT_EXIT:
-        atexit.register(_destroy_at_exit)
-        _AT_EXIT = True
+    atexit.unregister(_destroy_at_exit)  # once, however often a process initializes (tests destroy and start again)
+    atexit.register(_destroy_at_exit)
     if world % (tp * pp) != 0:
         raise ValueError(
             f"parallel.tensor={tp} (x parallel.pipeline={pp}) must divide the world size {world}")
@@ -239,7 +237,6 @@ def rank0_decides(flag: bool) -> bool:
 
 
 _ENDED_CLEANLY = False  # ended_cleanly(): the process group is destroyed at exit
-_AT_EXIT = False  # _destroy_at_exit registered
 
 
 def ended_cleanly() -> None:

@@ -22,8 +22,8 @@ from kdexp.report.stats import Difference, Summary, holm
 from kdexp.track.records import parse_scalar
 
 # The per-point table's metric columns, in order.
-TABLE_METRICS = ("val/lm_loss", "val/kl_to_teacher", "val/onpolicy_reverse_kl", "val/top1_agreement", "train/kept_mass",
-                 "perf/tokens_per_s")
+TABLE_METRICS = ("val/lm_loss", "val/kl_to_teacher", "val/onpolicy_reverse_kl", "val/top1_agreement",
+                 "train/kept_mass", "perf/tokens_per_s")
 # Which way is better. train/kept_mass is left out on purpose: it describes the loss setting (a larger Top-K keeps
 # more teacher mass), it is not something to maximise. Timing metrics have no goal here: points of a sweep run under
 # different machine load (other points, other users), so a faster point is no finding (replicates.is_timing).
@@ -363,6 +363,6 @@ def summary_line(sweep: Sweep) -> str:
     return line
 
 
-__all__ = ["TABLE_METRICS", "GOALS", "BEST_METRICS", "IF_LOGGED", "shown", "Table", "Best", "goal", "fmt", "best_points", "best_lines",
-           "points_table", "arms_table", "to_markdown", "to_html",
+__all__ = ["TABLE_METRICS", "GOALS", "BEST_METRICS", "IF_LOGGED", "shown", "Table", "Best", "goal", "fmt",
+           "best_points", "best_lines", "points_table", "arms_table", "to_markdown", "to_html",
            "summary_line", "swept_text", "summary_text", "summary_notes", "difference_text", "verdict"]

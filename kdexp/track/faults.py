@@ -157,7 +157,7 @@ class WritableDirs(Callback):
             wait_for_rank_0(run_dir)  # rank 0 makes the run dir (and removes it when it refuses)
         note_new_dirs(run_dir)  # a refused run removes the dirs made for it
         clean_up_on_sigterm_before_claim()  # as does one that SIGTERM stops before its claim
-        line = probe(Path(str(config.hydra.run.dir)))
+        line = probe(run_dir)
         if line is not None:
             stop(line)
 
