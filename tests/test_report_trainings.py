@@ -226,6 +226,35 @@ ABLATION_PAIRS = ("k8_ghost:k8_renorm", "topp_k8:k8_ghost", "k32_ghost:k32_renor
                   "k128_ghost:k128_renorm", "topp_k128:k128_ghost")
 
 
+def _arm_seed_sweep(root: Path, experiment: str, arms, final) -> dict[tuple[str, int], dict[str, float]]:
+    """A sweep dir of `experiment`'s arms x seeds 1-5, records as the trainer writes them; ``final(arm_i, seed)``: a
+    point's final metrics. Returns them by (arm, seed)."""
+    values, num = {}, 0
+    for arm_i, arm in enumerate(arms):
+        for seed in range(1, 6):
+            values[(arm, seed)] = final(arm_i, seed)
+            config = {**tiny_config(1.0, "topk", arm=arm), "trainer": {"seed": seed, "max_steps": 4}}
+            write_run_dir(root / str(num), overrides=[f"experiment={experiment}", f"arm={arm}", f"trainer.seed={seed}"],
+                          config=config, choices={"arm": arm}, num=num, steps=4, final=values[(arm, seed)])
+            num += 1
+    return values
+
+
+def _pairs_rows(capsys) -> list[list[str]]:
+    """The cells of each row of the --pairs table just printed."""
+    return [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| val/")]
+
+
+def _holm_by_hand(raw: list[float]) -> list[float]:
+    """Holm's step-down adjusted p values, by hand: the k-th smallest times (m - k + 1), never below the one before."""
+    running, out = 0.0, [0.0] * len(raw)
+    for rank, i in enumerate(sorted(range(len(raw)), key=lambda i: raw[i])):
+        running = max(running, min(1.0, (len(raw) - rank) * raw[i]))
+        out[i] = running
+    return out
+
+
 def test_ablation_pairs_command_on_its_arms(tmp_path, capsys):
     """docs/ablation.md's --pairs over a sweep shaped like ghost_vs_renorm (9 arms x 5 seeds, records as the trainer
     writes them): 18 rows in the order asked, p as scipy's paired t test gives it, Holm over the 18 by hand."""
@@ -233,31 +262,16 @@ def test_ablation_pairs_command_on_its_arms(tmp_path, capsys):
 
     rng = random.Random(7)
     root = _sweep_dir(tmp_path / "ghost_vs_renorm")
-    values: dict[tuple[str, int], dict[str, float]] = {}
-    num = 0
-    for arm_i, arm in enumerate(ABLATION_ARMS):
-        for seed in range(1, 6):
-            final = {"val/kl_to_teacher": 1.0 + 0.05 * arm_i + rng.gauss(0, 0.05) + 0.1 * seed,
-                     "val/lm_loss": 4.0 + 0.02 * arm_i + rng.gauss(0, 0.05),
-                     "val/top1_agreement": 0.4 + rng.gauss(0, 0.02)}
-            values[(arm, seed)] = final
-            config = {**tiny_config(1.0, "topk", arm=arm), "trainer": {"seed": seed, "max_steps": 4}}
-            write_run_dir(root / str(num), overrides=["experiment=ghost_vs_renorm", f"arm={arm}",
-                                                      f"trainer.seed={seed}"], config=config, choices={"arm": arm},
-                          num=num, steps=4, final=final)
-            num += 1
+    values = _arm_seed_sweep(root, "ghost_vs_renorm", ABLATION_ARMS, lambda arm_i, seed: {
+        "val/kl_to_teacher": 1.0 + 0.05 * arm_i + rng.gauss(0, 0.05) + 0.1 * seed,
+        "val/lm_loss": 4.0 + 0.02 * arm_i + rng.gauss(0, 0.05), "val/top1_agreement": 0.4 + rng.gauss(0, 0.02)})
     assert main([str(root), "--pairs", *ABLATION_PAIRS]) == 0
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
-            if line.startswith("| val/")]
+    rows = _pairs_rows(capsys)
     metrics = ("val/kl_to_teacher", "val/lm_loss", "val/top1_agreement")
     assert [(r[0], r[1], r[2]) for r in rows] == [(m, *pair.split(":")) for pair in ABLATION_PAIRS for m in metrics]
     raw = [sps.ttest_rel([values[(a, s)][m] for s in range(1, 6)], [values[(b, s)][m] for s in range(1, 6)]).pvalue
            for pair in ABLATION_PAIRS for a, b in [pair.split(":")] for m in metrics]
-    order = sorted(range(18), key=lambda i: raw[i])
-    running, by_hand = 0.0, [0.0] * 18
-    for rank, i in enumerate(order):
-        running = max(running, min(1.0, (18 - rank) * raw[i]))
-        by_hand[i] = running
+    by_hand = _holm_by_hand(raw)
     diffs = [[values[(a, s)][m] - values[(b, s)][m] for s in range(1, 6)]
              for pair in ABLATION_PAIRS for a, b in [pair.split(":")] for m in metrics]
     for row, p, ph, d in zip(rows, raw, by_hand, diffs):
@@ -289,32 +303,20 @@ def test_on_policy_pairs_command_on_its_arms(tmp_path, capsys, monkeypatch):
     assert argv[:3] == ["python", "-m", "kdexp.report"]
     rng = random.Random(11)
     root = _sweep_dir(tmp_path / argv[3])
-    values, num = {}, 0
-    for arm_i, arm in enumerate(("op_off", "op_ghost", "op_renorm", "op_sampled_token", "op_mix")):
-        for seed in range(1, 6):
-            final = {"val/kl_to_teacher": 2.0 + 0.1 * arm_i + rng.gauss(0, 0.05),
-                     "val/onpolicy_reverse_kl": 1.9 + 0.2 * arm_i * (arm_i % 2) + rng.gauss(0, 0.05),
-                     "val/lm_loss": 5.0 + rng.gauss(0, 0.05), "val/top1_agreement": 0.25 + rng.gauss(0, 0.01)}
-            values[(arm, seed)] = final
-            config = {**tiny_config(1.0, "topk", arm=arm), "trainer": {"seed": seed, "max_steps": 4}}
-            write_run_dir(root / str(num), overrides=["experiment=on_vs_off_policy", f"arm={arm}",
-                                                      f"trainer.seed={seed}"], config=config, choices={"arm": arm},
-                          num=num, steps=4, final=final)
-            num += 1
+    arms = ("op_off", "op_ghost", "op_renorm", "op_sampled_token", "op_mix")
+    values = _arm_seed_sweep(root, "on_vs_off_policy", arms, lambda arm_i, seed: {
+        "val/kl_to_teacher": 2.0 + 0.1 * arm_i + rng.gauss(0, 0.05),
+        "val/onpolicy_reverse_kl": 1.9 + 0.2 * arm_i * (arm_i % 2) + rng.gauss(0, 0.05),
+        "val/lm_loss": 5.0 + rng.gauss(0, 0.05), "val/top1_agreement": 0.25 + rng.gauss(0, 0.01)})
     monkeypatch.chdir(tmp_path)
     assert main(argv[3:]) == 0
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in capsys.readouterr().out.splitlines()
-            if line.startswith("| val/")]
+    rows = _pairs_rows(capsys)
     pairs = [a.split(":") for a in argv[argv.index("--pairs") + 1:argv.index("--metric")]]
     metrics = ("val/onpolicy_reverse_kl", "val/kl_to_teacher")
     assert [(r[0], r[1], r[2]) for r in rows] == [(m, a, b) for a, b in pairs for m in metrics]
     raw = [sps.ttest_rel([values[(a, s)][m] for s in range(1, 6)], [values[(b, s)][m] for s in range(1, 6)]).pvalue
            for a, b in pairs for m in metrics]
-    running, by_hand = 0.0, [0.0] * len(raw)  # Holm's step-down, by hand
-    for rank, i in enumerate(sorted(range(len(raw)), key=lambda i: raw[i])):
-        running = max(running, min(1.0, (len(raw) - rank) * raw[i]))
-        by_hand[i] = running
-    for row, p, ph in zip(rows, raw, by_hand):
+    for row, p, ph in zip(rows, raw, _holm_by_hand(raw)):
         for shown, want in ((row[7], p), (row[8], ph)):
             assert shown == "<0.0001" if want < 1e-4 else float(shown) == pytest.approx(want, abs=1e-4)
         assert row[9] == ("**significant**" if ph < 0.05 else "not significant")
