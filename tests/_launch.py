@@ -8,6 +8,11 @@ of what a run leaves in its directory.
     proc = kdexp_run(args, env, tmp_path, check=False, entry=NAN_RUN, entry_args=["3"])   # NaN in step 3's backward
 
 ``env`` is the whole environment of the child (the conftest ``env`` fixture, usually); None inherits this process's.
+
+A launch run to its end (kdexp_run) of ``python -m MOD``, ``python -c CODE`` or ``python FILE.py`` is forked from this
+process's fork server (tests/_zygote.py: torch, megatron-core, Hydra and W&B imported once, kdexp afresh in each
+child), not started as a new interpreter; ``fresh=True`` starts a new interpreter, as do torchrun launches and
+kdexp_popen (a process the test holds while it runs).
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from _zygote import Zygote
 from kdexp.distributed.testing import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -61,13 +67,18 @@ def command(args: Sequence[str], *, torchrun: int = 0, launcher: str = "torchrun
 
 
 def kdexp_run(args: Sequence[str], env: Optional[dict] = None, cwd=None, *, check: bool = True,
-              extra_env: Optional[dict] = None, timeout: float = 900, **how) -> subprocess.CompletedProcess:
-    """Run one launch (``how``: command()'s keywords) to its end, output captured. ``check``: a non-zero exit raises
-    with the command and the tails of both streams."""
+              extra_env: Optional[dict] = None, timeout: float = 900, fresh: bool = False,
+              **how) -> subprocess.CompletedProcess:
+    """Run one launch (``how``: command()'s keywords) to its end, output captured, as a child of the fork server
+    unless ``fresh`` (a new interpreter). ``check``: a non-zero exit raises with the command and the tails of both
+    streams."""
     cmd = command(args, **how)
     full_env = None if env is None and not extra_env else {**(os.environ if env is None else env),
                                                            **(extra_env or {})}
-    proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if not fresh and Zygote.accepts(cmd):
+        proc = Zygote.run(cmd, os.environ if full_env is None else full_env, cwd, timeout)
+    else:
+        proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc

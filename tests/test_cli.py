@@ -204,10 +204,12 @@ def test_a_bad_value_is_one_line_exit_2_and_nothing_is_built(env, tmp_path, over
 
 def test_an_unknown_loss_name_is_one_line_exit_2_before_data_or_teacher(env, tmp_path):
     """`loss.name` is checked against the one table of loss names by validate(), before data, teacher or model are
-    built: like any refused value (trainer.lr=-1 beside it) it leaves nothing on disk, no run dir and no cache."""
+    built: like any refused value (trainer.lr=-1 beside it) it leaves nothing on disk, no run dir and no cache. A new
+    interpreter each (fresh), as a user's: its one line of stderr also shows that no import prints a warning."""
     for name, override in (("nope", "loss.name=nope"), ("lr", "trainer.lr=-1")):
         run_dir = tmp_path / name
-        r = kdexp_run(["experiment=smoke", override, f"hydra.run.dir={run_dir}"], env, tmp_path, check=False)
+        r = kdexp_run(["experiment=smoke", override, f"hydra.run.dir={run_dir}"], env, tmp_path, check=False,
+                      fresh=True)
         assert r.returncode == 2, (r.stdout, r.stderr)
         assert len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stdout + r.stderr, r.stderr
         assert not run_dir.exists(), sorted(run_dir.rglob("*"))

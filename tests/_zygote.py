@@ -1,0 +1,274 @@
+"""A fork server for the tests' launches of ``python -m kdexp.run`` (and of the test entry points beside it).
+
+Every launch of a fresh interpreter pays for importing torch, megatron-core, Hydra and W&B before kdexp does any work:
+about 8 s of a 10 s one-step smoke run on this 2-core machine, and the suite launches hundreds. The server imports
+those third-party modules once (the list a real run imports: PRELOAD), then forks one child per launch; the child
+becomes the launch as ``python ARGV`` would: its argv, environment, working directory, standard streams (the
+caller's file descriptors, passed over the socket), a fresh ``__main__``, kdexp imported afresh (never preloaded, so
+each launch reads its environment and source as a new process does), and it exits the way the interpreter exits
+(SystemExit's code, 1 and a traceback for an exception, death by SIGINT for an unhandled KeyboardInterrupt, atexit
+handlers and non-daemon threads joined). The server reaps it and sends its exit status (subprocess's convention: -N
+for death by signal N) back to the caller, who holds the child's real pid (signals, locks and ``/proc`` see it).
+
+What differs from a fresh interpreter, and why it is harmless for what the tests launch: the child's parent is the
+server, not the test; the preloaded modules were imported under the server's environment (OMP_NUM_THREADS is applied
+again in the child through torch.set_num_threads; numpy's and Python's random streams are reseeded); import-time
+warnings of the preloaded modules are not shown again (kdexp filters megatron's anyway; tests/test_quiet.py checks
+the filters in-process and tests/test_bench_help.py launches fresh interpreters). Launches that are about starting a
+process (torchrun, the docs' pages run in a shell, SLURM jobs, Hydra's sweep workers) stay real processes.
+
+    python tests/_zygote.py SOCKET      # the server: one per pytest worker, started by Zygote below
+
+Protocol on the unix socket, one connection per launch: the caller sends an 8-byte length with its stdin, stdout and
+stderr descriptors attached (SCM_RIGHTS), then that many bytes of JSON {argv, env, cwd}; the server answers the
+child's pid on a line, and later its exit status on a line.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+# What a smoke run imports besides kdexp and the standard library's cheap modules: imported by the server once.
+PRELOAD = ("torch", "numpy", "megatron.core", "megatron.core.models.gpt", "megatron.core.inference.contexts",
+           "megatron.core.optimizer", "megatron.core.distributed", "megatron.core.dist_checkpointing",
+           "megatron.core.datasets.gpt_dataset", "hydra", "hydra.main", "hydra._internal.utils", "omegaconf", "wandb",
+           "submitit", "pandas", "tensorboard", "torch.utils.tensorboard", "tensorboardX", "tokenizers", "yaml")
+
+
+def _preload() -> None:
+    import importlib
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in PRELOAD:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - a module this machine lacks is imported by the child if it needs it
+                pass
+    # Hydra discovers its plugins by walking hydra_plugins on sys.path: done in the child (kdexp's own plugin).
+    import gc
+
+    gc.collect()
+    gc.freeze()  # the preloaded objects leave the collector's generations: a child's collections skip them
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise EOFError("caller closed the connection")
+        buf += chunk
+    return buf
+
+
+def _child(request: dict, fds: list[int]) -> None:
+    """Become the launch. Never returns: the interpreter's exit ends the child (SystemExit raised through serve)."""
+    import random
+    import runpy
+    import types
+
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    random.seed()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        threads = os.environ.get("OMP_NUM_THREADS")
+        torch.set_num_threads(int(threads) if threads and threads.isdigit() else len(os.sched_getaffinity(0)))
+    _standard_streams(bool(os.environ.get("PYTHONUNBUFFERED")))
+    argv = request["argv"]
+    main = types.ModuleType("__main__")
+    main.__dict__["__builtins__"] = __builtins__
+    sys.modules["__main__"] = main
+    if argv[0] == "-m":
+        sys.argv = ["-m", *argv[2:]]
+        sys.path[0] = os.getcwd()
+        runpy._run_module_as_main(argv[1], alter_argv=True)  # what `python -m` runs
+    elif argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        sys.path[0] = ""
+        exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+    else:
+        sys.argv = list(argv)
+        sys.path[0] = str(Path(argv[0]).resolve().parent)
+        main.__dict__["__file__"] = argv[0]
+        code = compile(Path(argv[0]).read_text(), argv[0], "exec")
+        exec(code, main.__dict__)
+    sys.exit(0)
+
+
+def _standard_streams(unbuffered: bool) -> None:
+    """sys.stdin/stdout/stderr over descriptors 0-2 as a new interpreter makes them: stdout buffered unless
+    PYTHONUNBUFFERED (then written through, stderr too), stderr else line-buffered, escaping what it cannot encode."""
+    import io
+
+    def text(fd: int, errors: str, line: bool) -> io.TextIOWrapper:
+        raw = io.FileIO(fd, "w", closefd=False)
+        return io.TextIOWrapper(raw if unbuffered else io.BufferedWriter(raw), encoding="utf-8", errors=errors,
+                                line_buffering=line, write_through=unbuffered)
+
+    sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8")
+    sys.stdout = text(1, "strict", os.isatty(1))
+    sys.stderr = text(2, "backslashreplace", not unbuffered)
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+
+
+def serve(path: str) -> None:
+    _preload()
+    if threading.active_count() != 1:  # a fork keeps only the forking thread: a lock another thread held stays held
+        raise SystemExit(f"zygote: {threading.enumerate()} after the imports; forking them is unsafe")
+    # (numpy's OpenBLAS may start a native pool at import; it restarts it in a forked child itself: pthread_atfork.)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(64)
+    print("ready", flush=True)
+    parent = os.getppid()
+    waiting: dict[int, socket.socket] = {}
+    while os.getppid() == parent:  # until the test process ends (Zygote.stop) or dies
+        ready, _, _ = select.select([server], [], [], 0.02)
+        if ready:
+            conn, _ = server.accept()
+            (size,), fds = _recv_header(conn)
+            request = json.loads(_recv_exact(conn, size))
+            pid = os.fork()
+            if pid == 0:
+                server.close()
+                conn.close()
+                for other in waiting.values():
+                    other.close()
+                _child(request, fds)
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(f"{pid}\n".encode())
+            waiting[pid] = conn
+        while waiting:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = waiting.pop(pid)
+            conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+            conn.close()
+
+
+def _recv_header(conn: socket.socket):
+    data, fds, _, _ = socket.recv_fds(conn, 8, 3)
+    data += _recv_exact(conn, 8 - len(data))
+    return struct.unpack("!Q", data), fds
+
+
+class Zygote:
+    """The caller's side: one server per process (started on first use), ``run`` as subprocess.run."""
+
+    _lock = threading.Lock()
+    _server: Optional[subprocess.Popen] = None
+    _path: Optional[str] = None
+
+    @classmethod
+    def _ensure(cls) -> str:
+        with cls._lock:
+            if cls._server is None or cls._server.poll() is not None:
+                import tempfile
+
+                d = tempfile.mkdtemp(prefix="kdexp-zygote-")
+                cls._path = os.path.join(d, "sock")
+                cls._server = subprocess.Popen([sys.executable, __file__, cls._path], stdin=subprocess.DEVNULL,
+                                               stdout=subprocess.PIPE, text=True)
+                line = cls._server.stdout.readline()
+                if line.strip() != "ready":
+                    raise RuntimeError(f"the zygote did not start: {line!r}")
+                atexit.register(cls.stop)
+            return cls._path
+
+    @classmethod
+    def stop(cls) -> None:
+        """End the server (its children have been reaped: every run() waited for its own) and remove its socket."""
+        if cls._server is not None:
+            cls._server.kill()
+            cls._server.wait()
+            shutil.rmtree(os.path.dirname(cls._path), ignore_errors=True)
+            cls._server = None
+
+    @staticmethod
+    def accepts(cmd: list[str]) -> bool:
+        """A launch the server can become: ``python -m MOD ...``, ``python -c CODE ...`` or ``python FILE.py ...``."""
+        return (len(cmd) >= 2 and cmd[0] == sys.executable
+                and (cmd[1] in ("-m", "-c") and len(cmd) >= 3 or cmd[1].endswith(".py")))
+
+    @classmethod
+    def run(cls, cmd: list[str], env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
+        path = cls._ensure()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        null = os.open(os.devnull, os.O_RDONLY)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(path)
+            body = json.dumps({"argv": cmd[1:], "env": dict(env), "cwd": str(cwd or os.getcwd())}).encode()
+            socket.send_fds(conn, [struct.pack("!Q", len(body))], [null, out_w, err_w])
+            conn.sendall(body)
+        finally:
+            for fd in (null, out_w, err_w):
+                os.close(fd)
+        reader = conn.makefile("r")
+        pid = int(reader.readline())
+        deadline = time.monotonic() + timeout
+        chunks = {out_r: [], err_r: []}
+        open_fds = [out_r, err_r]
+        timed_out = False
+        while open_fds:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                _kill(pid)
+                deadline = time.monotonic() + 30
+            ready, _, _ = select.select(open_fds, [], [], max(0.0, min(left, 1.0)))
+            for fd in ready:
+                data = os.read(fd, 1 << 16)
+                if data:
+                    chunks[fd].append(data)
+                else:
+                    open_fds.remove(fd)
+                    os.close(fd)
+        conn.settimeout(max(1.0, deadline - time.monotonic()) if not timed_out else 30)
+        try:
+            code = int(reader.readline())
+        except (socket.timeout, ValueError):
+            _kill(pid)
+            code = int(reader.readline())
+            timed_out = True
+        conn.close()
+        out = b"".join(chunks[out_r]).decode(errors="replace")
+        err = b"".join(chunks[err_r]).decode(errors="replace")
+        if timed_out:
+            raise subprocess.TimeoutExpired(cmd, timeout, out, err)
+        return subprocess.CompletedProcess(cmd, code, out, err)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, 9)
+    except ProcessLookupError:
+        pass
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
