@@ -35,8 +35,11 @@ $(VENV)/.installed: pyproject.toml
 run: $(VENV)/.installed
 	$(PY) -m kdexp.run $(ARGS)
 
+# The checkout's bytecode is compiled first: where PYTHONDONTWRITEBYTECODE is set (as on this project's machine)
+# the source would otherwise be compiled again in each of the suite's hundreds of processes.
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check kdexp conf launchers tests
+	$(PY) -m compileall -q kdexp conf launchers hydra_plugins tests
 	$(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(ARGS)
 
 bench: $(VENV)/.installed

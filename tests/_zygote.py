@@ -30,6 +30,7 @@ import json
 import os
 import select
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -80,12 +81,17 @@ def _child(request: dict, fds: list[int]) -> None:
     import runpy
     import types
 
-    for target, fd in enumerate(fds):
+    for target, fd in enumerate(fds[:3]):
         os.dup2(fd, target)
         os.close(fd)
+    if len(fds) > 3:  # a stand-in process (hand_over) holds the other end: when it dies, so does its launch
+        threading.Thread(target=_die_with_stand_in, args=(fds[3],), daemon=True).start()
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    # sys.path as a new interpreter builds it: the launch's PYTHONPATH entries (made absolute), then the rest
+    ours = [os.path.abspath(p) for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[1:] = ours + _BASE_PATH
     random.seed()
     np = sys.modules.get("numpy")
     if np is not None:
@@ -94,7 +100,7 @@ def _child(request: dict, fds: list[int]) -> None:
     if torch is not None:
         threads = os.environ.get("OMP_NUM_THREADS")
         torch.set_num_threads(int(threads) if threads and threads.isdigit() else len(os.sched_getaffinity(0)))
-    _standard_streams(bool(os.environ.get("PYTHONUNBUFFERED")))
+    _standard_streams(bool(os.environ.get("PYTHONUNBUFFERED")) or request.get("unbuffered", False))
     argv = request["argv"]
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = __builtins__
@@ -116,6 +122,12 @@ def _child(request: dict, fds: list[int]) -> None:
     sys.exit(0)
 
 
+def _die_with_stand_in(fd: int) -> None:
+    while os.read(fd, 1):
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _standard_streams(unbuffered: bool) -> None:
     """sys.stdin/stdout/stderr over descriptors 0-2 as a new interpreter makes them: stdout buffered unless
     PYTHONUNBUFFERED (then written through, stderr too), stderr else line-buffered, escaping what it cannot encode."""
@@ -132,7 +144,13 @@ def _standard_streams(unbuffered: bool) -> None:
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
 
 
+# the server's sys.path after its first entry, without its own PYTHONPATH's entries (a child puts its launch's there)
+_BASE_PATH: list[str] = []
+
+
 def serve(path: str) -> None:
+    own = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    _BASE_PATH[:] = [p for p in sys.path[1:] if p not in own]
     _preload()
     if threading.active_count() != 1:  # a fork keeps only the forking thread: a lock another thread held stays held
         raise SystemExit(f"zygote: {threading.enumerate()} after the imports; forking them is unsafe")
@@ -158,19 +176,25 @@ def serve(path: str) -> None:
                 _child(request, fds)
             for fd in fds:
                 os.close(fd)
-            conn.sendall(f"{pid}\n".encode())
+            try:
+                conn.sendall(f"{pid}\n".encode())
+            except OSError:
+                pass
             waiting[pid] = conn
         while waiting:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
             conn = waiting.pop(pid)
-            conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+            try:
+                conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+            except OSError:  # the caller is gone (a stand-in killed outright): nobody to tell
+                pass
             conn.close()
 
 
 def _recv_header(conn: socket.socket):
-    data, fds, _, _ = socket.recv_fds(conn, 8, 3)
+    data, fds, _, _ = socket.recv_fds(conn, 8, 4)
     data += _recv_exact(conn, 8 - len(data))
     return struct.unpack("!Q", data), fds
 
@@ -207,6 +231,13 @@ class Zygote:
             shutil.rmtree(os.path.dirname(cls._path), ignore_errors=True)
             cls._server = None
 
+    @classmethod
+    def child_env(cls, env: dict) -> dict:
+        """A launch's environment, plus what lets the workers of a sweep it runs on this machine (submitit's local
+        executor) hand themselves over to the server too (tests/_site/sitecustomize.py)."""
+        return {**env, FORK_SERVER: cls._ensure(),
+                "PYTHONPATH": os.pathsep.join(filter(None, [SITE_DIR, env.get("PYTHONPATH")]))}
+
     @staticmethod
     def accepts(cmd: list[str]) -> bool:
         """A launch the server can become: ``python -m MOD ...``, ``python -c CODE ...`` or ``python FILE.py ...``."""
@@ -222,7 +253,7 @@ class Zygote:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             conn.connect(path)
-            body = json.dumps({"argv": cmd[1:], "env": dict(env), "cwd": str(cwd or os.getcwd())}).encode()
+            body = json.dumps({"argv": cmd[1:], "env": cls.child_env(env), "cwd": str(cwd or os.getcwd())}).encode()
             socket.send_fds(conn, [struct.pack("!Q", len(body))], [null, out_w, err_w])
             conn.sendall(body)
         finally:
@@ -263,9 +294,49 @@ class Zygote:
         return subprocess.CompletedProcess(cmd, code, out, err)
 
 
-def _kill(pid: int) -> None:
+FORK_SERVER = "KDEXP_TEST_FORK_SERVER"  # the socket of this test process's server, in its launches' environment
+SITE_DIR = str(Path(__file__).resolve().parent / "_site")
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+             signal.SIGCONT, signal.SIGALRM)
+
+
+def hand_over(path: str, argv: list[str]) -> None:
+    """Make this just-started interpreter a stand-in for its launch run by the server at ``path``: the child gets
+    this process's argv (``-u`` as a flag), environment, working directory and standard streams; the signals a
+    supervisor sends (FORWARDED) are passed on to it; this process ends as it ends (its exit code, or killed by the
+    same signal), and a stand-in killed outright takes its child with it. Returns (the caller goes on as a normal
+    interpreter) when the server cannot be reached."""
+    unbuffered = argv[:1] == ["-u"]
+    argv = argv[1:] if unbuffered else argv
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        os.kill(pid, 9)
+        conn.connect(path)
+    except OSError:
+        return
+    alive_r, alive_w = os.pipe()
+    body = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "unbuffered": unbuffered}).encode()
+    socket.send_fds(conn, [struct.pack("!Q", len(body))], [0, 1, 2, alive_r])
+    conn.sendall(body)
+    os.close(alive_r)
+    reader = conn.makefile("r")
+    pid = int(reader.readline())
+    if os.environ.get("KDEXP_TEST_FORK_SERVER_VERBOSE"):
+        print(f"handed over: {os.getpid()} -> {pid}", file=sys.stderr, flush=True)
+
+    def forward(signum, _frame):
+        _kill(pid, signum)
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    code = int(reader.readline())
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code if code >= 0 else 128 - code)
+
+
+def _kill(pid: int, signum: int = 9) -> None:
+    try:
+        os.kill(pid, signum)
     except ProcessLookupError:
         pass
 

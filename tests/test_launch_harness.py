@@ -1,14 +1,19 @@
 """The tests' fork server (tests/_zygote.py) launches a program as a new interpreter would: the same exit status,
-standard output and files for each program here, run both ways (a new ``python`` and a child of the server)."""
+standard output and files for each program here, run both ways (a new ``python`` and a child of the server); a sweep
+worker handed over to it (a stand-in) passes signals on, ends as its child ends, and takes it along when killed."""
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
-from _zygote import Zygote
+from _zygote import FORK_SERVER, Zygote
 
 PROGRAMS = {
     "argv, cwd and environment": "import os, sys; print(sys.argv, os.getcwd(), os.environ['X'], 'Y' in os.environ)",
@@ -79,3 +84,91 @@ def test_a_launch_past_its_timeout_is_killed_and_raises_as_subprocess_run_does(t
     with pytest.raises(subprocess.TimeoutExpired):
         Zygote.run([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(600)"],
                    {"PATH": "/usr/bin"}, tmp_path, timeout=3)
+
+
+# --- a stand-in: a sweep worker that submitit's local executor started, handed over to the server ------------------
+def _stand_in(tmp_path, code: str, path=None) -> subprocess.Popen:
+    """A new interpreter that hands `code` over to this process's server (as tests/_site/sitecustomize.py does for a
+    sweep worker) and stands in for it."""
+    path = path or Zygote.child_env({})[FORK_SERVER]
+    boot = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from _zygote import hand_over; "
+            f"hand_over({str(path)!r}, ['-u', '-c', {code!r}]); print('not handed over', flush=True)")
+    return subprocess.Popen([sys.executable, "-c", boot], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+
+
+def test_a_stand_in_passes_signals_on_and_ends_as_its_child(tmp_path):
+    proc = _stand_in(tmp_path, "import os, signal, time\n"
+                               "signal.signal(signal.SIGUSR2, lambda *a: print('USR2', flush=True))\n"
+                               "print('ready', os.getpid(), flush=True)\n"
+                               "while True: time.sleep(0.1)\n")
+    ready = proc.stdout.readline().split()
+    assert ready[0] == "ready" and int(ready[1]) != proc.pid  # the child runs it, not the stand-in
+    proc.send_signal(signal.SIGUSR2)  # preemption's signal: the child's handler
+    assert proc.stdout.readline().strip() == "USR2"
+    proc.send_signal(signal.SIGTERM)  # the child dies of it: so does its stand-in
+    assert proc.wait(timeout=60) == -signal.SIGTERM
+
+
+def test_a_stand_in_killed_outright_takes_its_child_along(tmp_path):
+    proc = _stand_in(tmp_path, "import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(600)\n")
+    child = int(proc.stdout.readline())
+    proc.kill()
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the child {child} of a SIGKILLed stand-in still runs")
+
+
+def test_without_a_server_the_process_starts_as_usual(tmp_path):
+    proc = _stand_in(tmp_path, "print('handed over')", path=tmp_path / "no-socket")
+    assert proc.communicate(timeout=120)[0] == "not handed over\n" and proc.returncode == 0
+
+
+@pytest.mark.parametrize("executor", ["local", "slurm"])
+def test_only_a_local_sweep_worker_hands_itself_over(executor, tmp_path):
+    """tests/_site/sitecustomize.py: ``python -u -m submitit.core._submit`` under submitit's local executor hands
+    over (and fails as a fresh one does on a folder without a job); under SLURM, or any other command, it does not."""
+    env = {**Zygote.child_env({"PATH": "/usr/bin:/bin"}), "SUBMITIT_EXECUTOR": executor,
+           "KDEXP_TEST_FORK_SERVER_VERBOSE": "1"}
+    cmd = [sys.executable, "-u", "-m", "submitit.core._submit", str(tmp_path / "no-job")]
+    worker = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    fresh = subprocess.run(cmd, env={**env, FORK_SERVER: ""}, cwd=tmp_path, capture_output=True, text=True,
+                           timeout=300)
+    assert ("handed over" in worker.stderr) == (executor == "local"), worker.stderr
+    assert worker.returncode == fresh.returncode != 0
+    other = subprocess.run([sys.executable, "-u", "-c", "print('ran here')"], env=env, cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300)
+    assert other.stdout == "ran here\n" and "handed over" not in other.stderr
+
+
+def test_torchrun_ranks_hand_themselves_over_and_run_as_fresh_ones(tmp_path):
+    """A torchrun launch run by the server: its ranks (``python -u SCRIPT`` with TORCHELASTIC_RUN_ID) hand over, join
+    their gloo group and print what fresh ranks print; a rank's failure fails torchrun alike."""
+    script = tmp_path / "ranks.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        x = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(x)
+        print(f"rank {dist.get_rank()} of {dist.get_world_size()}: {x.item()}", flush=True)
+        dist.destroy_process_group()
+        sys.exit(3 if sys.argv[1:] == ["fail"] and os.environ["RANK"] == "1" else 0)
+        """))
+    from kdexp.distributed.testing import free_port
+
+    for args in ([], ["fail"]):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), str(script), *args]
+        env = {**os.environ, "KDEXP_TEST_FORK_SERVER_VERBOSE": "1"}
+        fresh = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        cmd[cmd.index("--master-port") + 1] = str(free_port())
+        forked = Zygote.run(cmd, env, tmp_path, timeout=300)
+        assert forked.stderr.count("handed over") == 2 and "handed over" not in fresh.stderr, forked.stderr
+        assert forked.returncode == fresh.returncode == (1 if args else 0), (fresh.stderr[-2000:], forked.stderr[-2000:])
+        assert sorted(forked.stdout.splitlines()) == sorted(fresh.stdout.splitlines()) == [
+            "rank 0 of 2: 3.0", "rank 1 of 2: 3.0"], (fresh.stdout, forked.stdout)
