@@ -1,4 +1,4 @@
-"""The one way the tests launch a run: ``python -m kdexp.run ARGS`` in a subprocess, as users type it (or under
+"""The one way the tests launch a run: ``python -m kdexp.run ARGS`` as users type it (or under
 torchrun, or through a test-only entry point that wraps kdexp.run's cli and misbehaves on purpose), and the readers
 of what a run leaves in its directory.
 
@@ -11,8 +11,9 @@ of what a run leaves in its directory.
 
 A launch run to its end (kdexp_run) of ``python -m MOD``, ``python -c CODE`` or ``python FILE.py`` is forked from this
 process's fork server (tests/_zygote.py: torch, megatron-core, Hydra and W&B imported once, kdexp afresh in each
-child), not started as a new interpreter; ``fresh=True`` starts a new interpreter, as do torchrun launches and
-kdexp_popen (a process the test holds while it runs).
+child), not started as a new interpreter, and the sweep workers and torchrun ranks it starts hand themselves over to
+the same server; ``fresh=True`` starts a new interpreter, as does kdexp_popen (a process the test holds while it
+runs).
 """
 from __future__ import annotations
 

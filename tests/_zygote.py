@@ -14,14 +14,17 @@ What differs from a fresh interpreter, and why it is harmless for what the tests
 server, not the test; the preloaded modules were imported under the server's environment (OMP_NUM_THREADS is applied
 again in the child through torch.set_num_threads; numpy's and Python's random streams are reseeded); import-time
 warnings of the preloaded modules are not shown again (kdexp filters megatron's anyway; tests/test_quiet.py checks
-the filters in-process and tests/test_bench_help.py launches fresh interpreters). Launches that are about starting a
-process (torchrun, the docs' pages run in a shell, SLURM jobs, Hydra's sweep workers) stay real processes.
+the filters in-process and tests/test_bench_help.py launches fresh interpreters). The processes such a launch starts in
+turn, a local sweep's workers and torchrun's ranks, hand themselves over to the server (hand_over, called from
+tests/_site/sitecustomize.py) and stand in for their child; SLURM jobs, the docs' pages run in a shell and the
+launches a test holds while they run stay real processes.
 
     python tests/_zygote.py SOCKET      # the server: one per pytest worker, started by Zygote below
 
 Protocol on the unix socket, one connection per launch: the caller sends an 8-byte length with its stdin, stdout and
-stderr descriptors attached (SCM_RIGHTS), then that many bytes of JSON {argv, env, cwd}; the server answers the
-child's pid on a line, and later its exit status on a line.
+stderr descriptors attached (SCM_RIGHTS; a stand-in adds the read end of a pipe it holds open while it lives), then
+that many bytes of JSON {argv, env, cwd[, unbuffered]}; the server answers the child's pid on a line, and later its
+exit status on a line.
 """
 from __future__ import annotations
 
@@ -65,6 +68,32 @@ def _preload() -> None:
     gc.freeze()  # the preloaded objects leave the collector's generations: a child's collections skip them
 
 
+def _pythonpath(env) -> list[str]:
+    """The entries of env's PYTHONPATH as a new interpreter puts them on sys.path (absolute)."""
+    return [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+def _send_request(path: str, request: dict, fds: list[int]) -> socket.socket:
+    """Connect to the server at ``path`` and send one launch (the protocol above); the connection, for its answers."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(path)
+    body = json.dumps(request).encode()
+    socket.send_fds(conn, [struct.pack("!Q", len(body))], fds)
+    conn.sendall(body)
+    return conn
+
+
+def _recv_line(conn: socket.socket) -> str:
+    """One answer line, read byte by byte: nothing is buffered past it, and a timeout leaves the socket usable."""
+    buf = b""
+    while not buf.endswith(b"\n"):
+        chunk = conn.recv(1)
+        if not chunk:
+            raise EOFError("the server closed the connection")
+        buf += chunk
+    return buf.decode()
+
+
 def _recv_exact(conn: socket.socket, n: int) -> bytes:
     buf = b""
     while len(buf) < n:
@@ -90,8 +119,7 @@ def _child(request: dict, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     # sys.path as a new interpreter builds it: the launch's PYTHONPATH entries (made absolute), then the rest
-    ours = [os.path.abspath(p) for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-    sys.path[1:] = ours + _BASE_PATH
+    sys.path[1:] = _pythonpath(request["env"]) + _BASE_PATH
     random.seed()
     np = sys.modules.get("numpy")
     if np is not None:
@@ -149,7 +177,7 @@ _BASE_PATH: list[str] = []
 
 
 def serve(path: str) -> None:
-    own = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    own = set(_pythonpath(os.environ))
     _BASE_PATH[:] = [p for p in sys.path[1:] if p not in own]
     _preload()
     if threading.active_count() != 1:  # a fork keeps only the forking thread: a lock another thread held stays held
@@ -250,17 +278,13 @@ class Zygote:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         null = os.open(os.devnull, os.O_RDONLY)
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            conn.connect(path)
-            body = json.dumps({"argv": cmd[1:], "env": cls.child_env(env), "cwd": str(cwd or os.getcwd())}).encode()
-            socket.send_fds(conn, [struct.pack("!Q", len(body))], [null, out_w, err_w])
-            conn.sendall(body)
+            conn = _send_request(path, {"argv": cmd[1:], "env": cls.child_env(env), "cwd": str(cwd or os.getcwd())},
+                                 [null, out_w, err_w])
         finally:
             for fd in (null, out_w, err_w):
                 os.close(fd)
-        reader = conn.makefile("r")
-        pid = int(reader.readline())
+        pid = int(_recv_line(conn))
         deadline = time.monotonic() + timeout
         chunks = {out_r: [], err_r: []}
         open_fds = [out_r, err_r]
@@ -279,13 +303,14 @@ class Zygote:
                 else:
                     open_fds.remove(fd)
                     os.close(fd)
-        conn.settimeout(max(1.0, deadline - time.monotonic()) if not timed_out else 30)
+        conn.settimeout(max(1.0, deadline - time.monotonic()))
         try:
-            code = int(reader.readline())
-        except (socket.timeout, ValueError):
-            _kill(pid)
-            code = int(reader.readline())
+            code = int(_recv_line(conn))
+        except TimeoutError:  # the streams closed, the child still runs: killed, as subprocess.run's timeout does
             timed_out = True
+            _kill(pid)
+            conn.settimeout(None)
+            code = int(_recv_line(conn))
         conn.close()
         out = b"".join(chunks[out_r]).decode(errors="replace")
         err = b"".join(chunks[err_r]).decode(errors="replace")
@@ -307,19 +332,16 @@ def hand_over(path: str, argv: list[str]) -> None:
     same signal), and a stand-in killed outright takes its child with it. Returns (the caller goes on as a normal
     interpreter) when the server cannot be reached."""
     unbuffered = argv[:1] == ["-u"]
-    argv = argv[1:] if unbuffered else argv
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    alive_r, alive_w = os.pipe()  # alive_w stays open in this process until it ends
     try:
-        conn.connect(path)
+        conn = _send_request(path, {"argv": argv[1:] if unbuffered else argv, "env": dict(os.environ),
+                                    "cwd": os.getcwd(), "unbuffered": unbuffered}, [0, 1, 2, alive_r])
     except OSError:
+        os.close(alive_r)
+        os.close(alive_w)
         return
-    alive_r, alive_w = os.pipe()
-    body = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "unbuffered": unbuffered}).encode()
-    socket.send_fds(conn, [struct.pack("!Q", len(body))], [0, 1, 2, alive_r])
-    conn.sendall(body)
     os.close(alive_r)
-    reader = conn.makefile("r")
-    pid = int(reader.readline())
+    pid = int(_recv_line(conn))
     if os.environ.get("KDEXP_TEST_FORK_SERVER_VERBOSE"):
         print(f"handed over: {os.getpid()} -> {pid}", file=sys.stderr, flush=True)
 
@@ -327,7 +349,7 @@ def hand_over(path: str, argv: list[str]) -> None:
         _kill(pid, signum)
     for signum in FORWARDED:
         signal.signal(signum, forward)
-    code = int(reader.readline())
+    code = int(_recv_line(conn))
     if code < 0:
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)

@@ -80,10 +80,14 @@ def test_random_streams_differ_between_children(tmp_path):
     assert len(outs) == 3
 
 
-def test_a_launch_past_its_timeout_is_killed_and_raises_as_subprocess_run_does(tmp_path):
+@pytest.mark.parametrize("code", ["import time; print('started', flush=True); time.sleep(600)",
+                                  "import os, time; os.close(1); os.close(2); time.sleep(600)"],
+                         ids=["streams open", "streams closed"])
+def test_a_launch_past_its_timeout_is_killed_and_raises_as_subprocess_run_does(code, tmp_path):
+    start = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
-        Zygote.run([sys.executable, "-c", "import time; print('started', flush=True); time.sleep(600)"],
-                   {"PATH": "/usr/bin"}, tmp_path, timeout=3)
+        Zygote.run([sys.executable, "-c", code], {"PATH": "/usr/bin"}, tmp_path, timeout=3)
+    assert time.monotonic() - start < 60
 
 
 # --- a stand-in: a sweep worker that submitit's local executor started, handed over to the server ------------------
@@ -155,7 +159,9 @@ def test_torchrun_ranks_hand_themselves_over_and_run_as_fresh_ones(tmp_path):
         dist.init_process_group("gloo")
         x = torch.tensor([float(dist.get_rank() + 1)])
         dist.all_reduce(x)
-        print(f"rank {dist.get_rank()} of {dist.get_world_size()}: {x.item()}", flush=True)
+        # one write per line (print writes its end separately): the two ranks share one pipe
+        sys.stdout.write(f"rank {dist.get_rank()} of {dist.get_world_size()}: {x.item()}\\n")
+        sys.stdout.flush()
         dist.destroy_process_group()
         sys.exit(3 if sys.argv[1:] == ["fail"] and os.environ["RANK"] == "1" else 0)
         """))

@@ -9,18 +9,17 @@
                    "build": {"wall_s": 41.6, "device_count": 1, "device_kind": .., "device_hours": .., "tokens": ..}}]}
 
 FLOPs are model FLOPs by kdexp.plan's formulas (kdexp.plan.flops_per_token, handed in: the plan sits above this
-package), for the training steps only (the
-evaluation passes are not counted). ``tokens`` are the positions through the student's training forward (on an
-on-policy step, its rollouts': rollout.prompt_tokens + max_new_tokens - 1 per sample, not trainer.seq_length), and
-``student_flops`` holds the student's generation on those steps (forward only). With ``teacher=cached`` the step
-runs no teacher (``teacher_forward_flops`` 0) and the cache build's teacher pass is recorded under ``cache``, once per
-build: the report divides it over the points of a sweep that share the cache (kdexp.report.cost). Other one-time work a run used (the embedded teacher's
-pretraining, done by whichever point needed it first) is listed under ``one_time`` with what building it cost (its
-``build.json``, None when it was built before such records existed), shared the same way. ``wall_s``, tokens and
-FLOPs are this process's work in the point: a run resumed after a kill counts its last attempt only, the steps after
-the checkpoint it resumed from (summary.json's ``resumed_from`` and ``trained_steps`` say which); device-hours =
-wall_s x device_count / 3600, and like tokens/s
-it depends on the machine and its load.
+package), for the training steps only (the evaluation passes are not counted). ``tokens`` are the positions through
+the student's training forward (on an on-policy step, its rollouts': rollout.prompt_tokens + max_new_tokens - 1 per
+sample, not trainer.seq_length), and ``student_flops`` holds the student's generation on those steps (forward only).
+With ``teacher=cached`` the step runs no teacher (``teacher_forward_flops`` 0) and the cache build's teacher pass is
+recorded under ``cache``, once per build: the report divides it over the points of a sweep that share the cache
+(kdexp.report.cost). Other one-time work a run used (the embedded teacher's pretraining, done by whichever point
+needed it first) is listed under ``one_time`` with what building it cost (its ``build.json``, None when it was built
+before such records existed), shared the same way. ``wall_s``, tokens and FLOPs are this process's work in the point:
+a run resumed after a kill counts its last attempt only, the steps after the checkpoint it resumed from
+(summary.json's ``resumed_from`` and ``trained_steps`` say which); device-hours = wall_s x device_count / 3600, and
+like tokens/s it depends on the machine and its load.
 """
 from __future__ import annotations
 
