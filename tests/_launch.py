@@ -72,14 +72,18 @@ def kdexp_run(args: Sequence[str], env: Optional[dict] = None, cwd=None, *, chec
               **how) -> subprocess.CompletedProcess:
     """Run one launch (``how``: command()'s keywords) to its end, output captured, as a child of the fork server
     unless ``fresh`` (a new interpreter). ``check``: a non-zero exit raises with the command and the tails of both
-    streams."""
+    streams; a launch past ``timeout`` seconds is killed and raises so too, whatever ``check``."""
     cmd = command(args, **how)
     full_env = None if env is None and not extra_env else {**(os.environ if env is None else env),
                                                            **(extra_env or {})}
-    if not fresh and Zygote.accepts(cmd):
-        proc = Zygote.run(cmd, os.environ if full_env is None else full_env, cwd, timeout)
-    else:
-        proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    try:
+        if not fresh and Zygote.accepts(cmd):
+            proc = Zygote.run(cmd, os.environ if full_env is None else full_env, cwd, timeout)
+        else:
+            proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:  # what it printed (through the server: its threads' stacks at the end)
+        out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+        raise AssertionError(f"{cmd} ran past its {timeout} s and was killed:\n{out[-4000:]}\n{err[-8000:]}") from e
     if check and proc.returncode != 0:
         raise AssertionError(f"{cmd} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc

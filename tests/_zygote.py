@@ -110,9 +110,13 @@ def _child(request: dict, fds: list[int]) -> None:
     import runpy
     import types
 
+    import faulthandler
+
     for target, fd in enumerate(fds[:3]):
         os.dup2(fd, target)
         os.close(fd)
+    # a launch past its timeout writes every thread's stack to its stderr before it is killed (Zygote.run)
+    faulthandler.register(STACKS_SIGNAL, file=2, all_threads=True)
     if len(fds) > 3:  # a stand-in process (hand_over) holds the other end: when it dies, so does its launch
         threading.Thread(target=_die_with_stand_in, args=(fds[3],), daemon=True).start()
     os.chdir(request["cwd"])
@@ -193,8 +197,17 @@ def serve(path: str) -> None:
         ready, _, _ = select.select([server], [], [], 0.02)
         if ready:
             conn, _ = server.accept()
-            (size,), fds = _recv_header(conn)
-            request = json.loads(_recv_exact(conn, size))
+            conn.settimeout(60)  # a caller that connects and never sends must not stop the server
+            fds: list[int] = []
+            try:
+                (size,), fds = _recv_header(conn)
+                request = json.loads(_recv_exact(conn, size))
+            except (OSError, EOFError, ValueError, struct.error) as e:  # the caller died mid-request: nobody to run
+                print(f"zygote: a request was dropped: {e!r}", file=sys.stderr, flush=True)
+                for fd in fds:
+                    os.close(fd)
+                conn.close()
+                continue
             pid = os.fork()
             if pid == 0:
                 server.close()
@@ -213,7 +226,9 @@ def serve(path: str) -> None:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            conn = waiting.pop(pid)
+            conn = waiting.pop(pid, None)
+            if conn is None:  # not a launch of ours (nothing else forks here): nobody waits for it
+                continue
             try:
                 conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
             except OSError:  # the caller is gone (a stand-in killed outright): nobody to tell
@@ -288,29 +303,38 @@ class Zygote:
         deadline = time.monotonic() + timeout
         chunks = {out_r: [], err_r: []}
         open_fds = [out_r, err_r]
-        timed_out = False
-        while open_fds:
-            left = deadline - time.monotonic()
-            if left <= 0:
+
+        def read(until: float) -> None:
+            while open_fds and (left := until - time.monotonic()) > 0:
+                ready, _, _ = select.select(open_fds, [], [], min(left, 1.0))
+                for fd in ready:
+                    data = os.read(fd, 1 << 16)
+                    if data:
+                        chunks[fd].append(data)
+                    else:
+                        open_fds.remove(fd)
+
+        read(deadline)
+        timed_out = bool(open_fds)
+        if not timed_out:  # the streams closed: the child ends, or runs on without them until the deadline
+            conn.settimeout(max(1.0, deadline - time.monotonic()))
+            try:
+                code = int(_recv_line(conn))
+            except TimeoutError:
                 timed_out = True
-                _kill(pid)
-                deadline = time.monotonic() + 30
-            ready, _, _ = select.select(open_fds, [], [], max(0.0, min(left, 1.0)))
-            for fd in ready:
-                data = os.read(fd, 1 << 16)
-                if data:
-                    chunks[fd].append(data)
-                else:
-                    open_fds.remove(fd)
-                    os.close(fd)
-        conn.settimeout(max(1.0, deadline - time.monotonic()))
-        try:
-            code = int(_recv_line(conn))
-        except TimeoutError:  # the streams closed, the child still runs: killed, as subprocess.run's timeout does
-            timed_out = True
+        if timed_out:  # killed as subprocess.run's timeout kills, its stacks first (on its stderr); its
+            # descendants may hold the streams open: read for a moment, never wait for them (subprocess.run neither)
+            _kill(pid, STACKS_SIGNAL)
+            read(time.monotonic() + 3)
             _kill(pid)
-            conn.settimeout(None)
-            code = int(_recv_line(conn))
+            conn.settimeout(60)
+            try:
+                _recv_line(conn)  # reaped
+            except (TimeoutError, EOFError, ValueError):
+                pass
+            read(time.monotonic() + 1)
+        for fd in (out_r, err_r):
+            os.close(fd)
         conn.close()
         out = b"".join(chunks[out_r]).decode(errors="replace")
         err = b"".join(chunks[err_r]).decode(errors="replace")
@@ -319,6 +343,8 @@ class Zygote:
         return subprocess.CompletedProcess(cmd, code, out, err)
 
 
+# A launch's child writes every thread's stack on its stderr when it gets this (faulthandler; no launch uses it)
+STACKS_SIGNAL = signal.SIGRTMIN + 7
 FORK_SERVER = "KDEXP_TEST_FORK_SERVER"  # the socket of this test process's server, in its launches' environment
 SITE_DIR = str(Path(__file__).resolve().parent / "_site")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -85,9 +87,34 @@ def test_random_streams_differ_between_children(tmp_path):
                          ids=["streams open", "streams closed"])
 def test_a_launch_past_its_timeout_is_killed_and_raises_as_subprocess_run_does(code, tmp_path):
     start = time.monotonic()
-    with pytest.raises(subprocess.TimeoutExpired):
+    with pytest.raises(subprocess.TimeoutExpired) as raised:
         Zygote.run([sys.executable, "-c", code], {"PATH": "/usr/bin"}, tmp_path, timeout=3)
     assert time.monotonic() - start < 60
+    if "started" in code:  # where it hung, on its stderr before it was killed
+        assert raised.value.stdout == "started\n" and "time.sleep(600)" not in raised.value.stderr
+        assert 'File "<string>", line 1 in <module>' in raised.value.stderr
+
+
+def test_a_launch_past_its_timeout_whose_descendant_holds_its_streams_still_returns(tmp_path):
+    code = ("import subprocess, sys, time\n"
+            "print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']).pid, flush=True)\n"
+            "time.sleep(600)\n")
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired) as raised:
+        Zygote.run([sys.executable, "-c", code], {"PATH": "/usr/bin"}, tmp_path, timeout=5)
+    assert time.monotonic() - start < 90
+    os.kill(int(raised.value.stdout.split()[0]), signal.SIGKILL)  # the orphan, which subprocess.run leaves too
+
+
+def test_a_caller_that_dies_mid_request_leaves_the_server_serving(tmp_path):
+    path = Zygote.child_env({})[FORK_SERVER]
+    for partial in (b"", b"\x00\x00", struct.pack("!Q", 100) + b'{"argv": '):
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(path)
+        conn.sendall(partial)
+        conn.close()
+    done = Zygote.run([sys.executable, "-c", "print('served')"], {"PATH": "/usr/bin"}, tmp_path, timeout=120)
+    assert (done.returncode, done.stdout) == (0, "served\n")
 
 
 # --- a stand-in: a sweep worker that submitit's local executor started, handed over to the server ------------------
