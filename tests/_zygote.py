@@ -306,7 +306,10 @@ class Zygote:
 
         def read(until: float) -> None:
             while open_fds and (left := until - time.monotonic()) > 0:
-                ready, _, _ = select.select(open_fds, [], [], min(left, 1.0))
+                poll = select.poll()  # not select.select: a test process may hold descriptors past 1024
+                for fd in open_fds:
+                    poll.register(fd, select.POLLIN)
+                ready = [fd for fd, _ in poll.poll(min(left, 1.0) * 1000)]
                 for fd in ready:
                     data = os.read(fd, 1 << 16)
                     if data:
