@@ -293,57 +293,68 @@ class Zygote:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         null = os.open(os.devnull, os.O_RDONLY)
+        chunks: dict[int, list[bytes]] = {out_r: [], err_r: []}
+        conn = None
         try:
-            conn = _send_request(path, {"argv": cmd[1:], "env": cls.child_env(env), "cwd": str(cwd or os.getcwd())},
-                                 [null, out_w, err_w])
+            try:
+                conn = _send_request(path, {"argv": cmd[1:], "env": cls.child_env(env),
+                                            "cwd": str(cwd or os.getcwd())}, [null, out_w, err_w])
+            finally:
+                for fd in (null, out_w, err_w):
+                    os.close(fd)
+            pid = int(_recv_line(conn))
+            try:
+                code = cls._wait(pid, conn, chunks, timeout)
+            except BaseException:  # an interrupt, the test's own timeout: the child goes too, as subprocess.run does
+                _kill(pid)
+                raise
         finally:
-            for fd in (null, out_w, err_w):
+            for fd in (out_r, err_r):
                 os.close(fd)
-        pid = int(_recv_line(conn))
-        deadline = time.monotonic() + timeout
-        chunks = {out_r: [], err_r: []}
-        open_fds = [out_r, err_r]
+            if conn is not None:
+                conn.close()
+        out, err = (b"".join(chunks[fd]).decode(errors="replace") for fd in (out_r, err_r))
+        if code is None:
+            raise subprocess.TimeoutExpired(cmd, timeout, out, err)
+        return subprocess.CompletedProcess(cmd, code, out, err)
+
+    @staticmethod
+    def _wait(pid: int, conn: socket.socket, chunks: dict, timeout: float) -> Optional[int]:
+        """Read the launch's streams into ``chunks`` until they close, then its exit status; None when it ran past
+        ``timeout`` seconds and was killed (its stacks first, on its stderr). Its descendants may hold the streams
+        open after it is gone: they are read for a moment, never waited for (subprocess.run does not either)."""
+        open_fds = list(chunks)
 
         def read(until: float) -> None:
             while open_fds and (left := until - time.monotonic()) > 0:
                 poll = select.poll()  # not select.select: a test process may hold descriptors past 1024
                 for fd in open_fds:
                     poll.register(fd, select.POLLIN)
-                ready = [fd for fd, _ in poll.poll(min(left, 1.0) * 1000)]
-                for fd in ready:
+                for fd, _ in poll.poll(min(left, 1.0) * 1000):
                     data = os.read(fd, 1 << 16)
                     if data:
                         chunks[fd].append(data)
                     else:
                         open_fds.remove(fd)
 
+        deadline = time.monotonic() + timeout
         read(deadline)
-        timed_out = bool(open_fds)
-        if not timed_out:  # the streams closed: the child ends, or runs on without them until the deadline
+        if not open_fds:  # the streams closed: the child ends, or runs on without them until the deadline
             conn.settimeout(max(1.0, deadline - time.monotonic()))
             try:
-                code = int(_recv_line(conn))
+                return int(_recv_line(conn))
             except TimeoutError:
-                timed_out = True
-        if timed_out:  # killed as subprocess.run's timeout kills, its stacks first (on its stderr); its
-            # descendants may hold the streams open: read for a moment, never wait for them (subprocess.run neither)
-            _kill(pid, STACKS_SIGNAL)
-            read(time.monotonic() + 3)
-            _kill(pid)
-            conn.settimeout(60)
-            try:
-                _recv_line(conn)  # reaped
-            except (TimeoutError, EOFError, ValueError):
                 pass
-            read(time.monotonic() + 1)
-        for fd in (out_r, err_r):
-            os.close(fd)
-        conn.close()
-        out = b"".join(chunks[out_r]).decode(errors="replace")
-        err = b"".join(chunks[err_r]).decode(errors="replace")
-        if timed_out:
-            raise subprocess.TimeoutExpired(cmd, timeout, out, err)
-        return subprocess.CompletedProcess(cmd, code, out, err)
+        _kill(pid, STACKS_SIGNAL)
+        read(time.monotonic() + 3)
+        _kill(pid)
+        conn.settimeout(60)
+        try:
+            _recv_line(conn)  # reaped
+        except (TimeoutError, EOFError, ValueError):
+            pass
+        read(time.monotonic() + 1)
+        return None
 
 
 # A launch's child writes every thread's stack on its stderr when it gets this (faulthandler; no launch uses it)

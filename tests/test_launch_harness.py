@@ -106,6 +106,38 @@ def test_a_launch_past_its_timeout_whose_descendant_holds_its_streams_still_retu
     os.kill(int(raised.value.stdout.split()[0]), signal.SIGKILL)  # the orphan, which subprocess.run leaves too
 
 
+class _Interrupted(Exception):
+    pass
+
+
+def test_a_caller_interrupted_while_it_waits_takes_its_launch_along(tmp_path):
+    """An exception in the caller while its launch runs (an interrupt, pytest-timeout's) kills the launch, as
+    subprocess.run does; it is raised in the waiting thread as an interrupt arrives there (between two polls)."""
+    import ctypes
+    import threading
+
+    pid_file = tmp_path / "pid"
+    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+    main = threading.get_ident()
+
+    def interrupt():
+        while not pid_file.exists() or not pid_file.read_text():
+            time.sleep(0.05)
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(main), ctypes.py_object(_Interrupted))
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(_Interrupted):
+        Zygote.run([sys.executable, "-c", code], {"PATH": "/usr/bin"}, tmp_path, timeout=300)
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"the launch {child} of an interrupted caller still runs")
+
+
 def test_a_caller_that_dies_mid_request_leaves_the_server_serving(tmp_path):
     path = Zygote.child_env({})[FORK_SERVER]
     for partial in (b"", b"\x00\x00", struct.pack("!Q", 100) + b'{"argv": '):
