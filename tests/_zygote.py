@@ -381,7 +381,12 @@ def hand_over(path: str, argv: list[str]) -> None:
         os.close(alive_w)
         return
     os.close(alive_r)
-    pid = int(_recv_line(conn))
+    try:
+        pid = int(_recv_line(conn))
+    except (OSError, EOFError, ValueError):  # the server dropped the request: no child runs it, this process does
+        conn.close()
+        os.close(alive_w)
+        return
     if os.environ.get("KDEXP_TEST_FORK_SERVER_VERBOSE"):
         print(f"handed over: {os.getpid()} -> {pid}", file=sys.stderr, flush=True)
 
@@ -389,11 +394,26 @@ def hand_over(path: str, argv: list[str]) -> None:
         _kill(pid, signum)
     for signum in FORWARDED:
         signal.signal(signum, forward)
-    code = int(_recv_line(conn))
+    try:
+        code = int(_recv_line(conn))
+    except (OSError, EOFError, ValueError):  # the server is gone after it forked: never run the launch a second time
+        print(f"zygote: the fork server went away; waiting for its child {pid}, whose exit status is lost",
+              file=sys.stderr, flush=True)
+        while _exists(pid):
+            time.sleep(0.5)
+        os._exit(1)
     if code < 0:
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     os._exit(code if code >= 0 else 128 - code)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _kill(pid: int, signum: int = 9) -> None:

@@ -192,6 +192,26 @@ def test_without_a_server_the_process_starts_as_usual(tmp_path):
     assert proc.communicate(timeout=120)[0] == "not handed over\n" and proc.returncode == 0
 
 
+def test_a_stand_in_whose_server_goes_away_waits_for_its_child_and_never_runs_the_launch_twice(tmp_path):
+    import _zygote
+
+    sock = tmp_path / "own.sock"  # a server of this test's own, to kill
+    server = subprocess.Popen([sys.executable, _zygote.__file__, str(sock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        marks = tmp_path / "ran"
+        proc = _stand_in(tmp_path, f"import time\nprint('started', flush=True)\ntime.sleep(3)\n"
+                                   f"open({str(marks)!r}, 'a').write('ran\\n')\n", path=sock)
+        assert proc.stdout.readline() == "started\n"
+        server.kill()
+        server.wait()
+        out = proc.communicate(timeout=120)[0]
+    finally:
+        server.kill()
+    assert proc.returncode == 1 and "not handed over" not in out, out
+    assert marks.read_text() == "ran\n"  # the child ran it, once: the stand-in did not run it again
+
+
 @pytest.mark.parametrize("executor", ["local", "slurm"])
 def test_only_a_local_sweep_worker_hands_itself_over(executor, tmp_path):
     """tests/_site/sitecustomize.py: ``python -u -m submitit.core._submit`` under submitit's local executor hands
