@@ -106,11 +106,10 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes:
 
 def _child(request: dict, fds: list[int]) -> None:
     """Become the launch. Never returns: the interpreter's exit ends the child (SystemExit raised through serve)."""
+    import faulthandler
     import random
     import runpy
     import types
-
-    import faulthandler
 
     for target, fd in enumerate(fds[:3]):
         os.dup2(fd, target)
@@ -399,7 +398,7 @@ def hand_over(path: str, argv: list[str]) -> None:
     except (OSError, EOFError, ValueError):  # the server is gone after it forked: never run the launch a second time
         print(f"zygote: the fork server went away; waiting for its child {pid}, whose exit status is lost",
               file=sys.stderr, flush=True)
-        while _exists(pid):
+        while alive(pid):
             time.sleep(0.5)
         os._exit(1)
     if code < 0:
@@ -408,7 +407,8 @@ def hand_over(path: str, argv: list[str]) -> None:
     os._exit(code if code >= 0 else 128 - code)
 
 
-def _exists(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether a process `pid` exists (a zombie not yet reaped counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

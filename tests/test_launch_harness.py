@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from _zygote import FORK_SERVER, Zygote
+from _zygote import FORK_SERVER, Zygote, alive
 
 PROGRAMS = {
     "argv, cwd and environment": "import os, sys; print(sys.argv, os.getcwd(), os.environ['X'], 'Y' in os.environ)",
@@ -128,14 +128,17 @@ def test_a_caller_interrupted_while_it_waits_takes_its_launch_along(tmp_path):
     with pytest.raises(_Interrupted):
         Zygote.run([sys.executable, "-c", code], {"PATH": "/usr/bin"}, tmp_path, timeout=300)
     child = int(pid_file.read_text())
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            return
+    assert _gone_within(child, 60), f"the launch {child} of an interrupted caller still runs"
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    """Whether process `pid` has ended (and been reaped) within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.1)
-    raise AssertionError(f"the launch {child} of an interrupted caller still runs")
+    return True
 
 
 def test_a_caller_that_dies_mid_request_leaves_the_server_serving(tmp_path):
@@ -177,14 +180,7 @@ def test_a_stand_in_killed_outright_takes_its_child_along(tmp_path):
     child = int(proc.stdout.readline())
     proc.kill()
     proc.wait(timeout=60)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"the child {child} of a SIGKILLed stand-in still runs")
+    assert _gone_within(child, 60), f"the child {child} of a SIGKILLed stand-in still runs"
 
 
 def test_without_a_server_the_process_starts_as_usual(tmp_path):
