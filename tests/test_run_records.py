@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from _launch import kdexp_popen, kdexp_run
+from _zygote import alive
 from kdexp.report.rundirs import load_point, load_sweep
 
 pytestmark = pytest.mark.slow
@@ -52,14 +53,6 @@ def wait_for(what, timeout: float = 300, poll: float = 0.2):
             return value
         time.sleep(poll)
     raise AssertionError(f"not seen within {timeout} s: {what}")
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_a_refused_run_leaves_nothing_on_disk_and_changes_no_byte_of_a_dir_it_was_refused(env, tmp_path):
