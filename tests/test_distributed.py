@@ -4,6 +4,8 @@ The TP=2 run (two gloo processes) is checked against an independent TP=1 run of 
 """
 
 import dataclasses
+import os
+import sys
 
 import pytest
 import torch
@@ -191,6 +193,28 @@ def _fails_on_rank1(rank, world_size):
 def test_run_on_processes_reports_the_failing_rank():
     with pytest.raises(RuntimeError, match=r"(?s)rank 1 ---.*ValueError: boom from rank 1"):
         run_on_processes(_fails_on_rank1, 2)
+
+
+def _what_a_rank_sees(rank, world_size):
+    print(f"rank {rank} says hello", flush=True)
+    print(f"rank {rank} warns", file=sys.stderr, flush=True)
+    return {"env": os.environ.get("KDEXP_TEST_MARK"), "cwd": os.getcwd(), "pid": os.getpid(),
+            "torch_threads": torch.get_num_threads(), "rank_env": os.environ["RANK"], "path": list(sys.path)}
+
+
+def test_ranks_see_the_callers_environment_directory_and_streams_at_each_call(monkeypatch, tmp_path, capfd):
+    """The ranks are forked from a fork server that outlives one call: each call's ranks still get what spawned
+    ones would get at that call (the environment and working directory then, sys.path, this test's stdout/stderr)."""
+    run_on_processes(_fails_on_rank1, 1)  # the server is up before what follows changes
+    monkeypatch.setenv("KDEXP_TEST_MARK", "second call")
+    monkeypatch.chdir(tmp_path)
+    got = run_on_processes(_what_a_rank_sees, 2)
+    assert [g["env"] for g in got] == ["second call"] * 2 and [g["rank_env"] for g in got] == ["0", "1"]
+    assert [g["cwd"] for g in got] == [str(tmp_path)] * 2 and [g["torch_threads"] for g in got] == [1, 1]
+    assert got[0]["pid"] != got[1]["pid"] != os.getpid() and got[0]["path"] == sys.path
+    out, err = capfd.readouterr()
+    assert "rank 0 says hello" in out and "rank 1 says hello" in out, out
+    assert "rank 0 warns" in err and "rank 1 warns" in err, err
 
 
 @pytest.mark.parametrize("clean", [True, False])

@@ -9,6 +9,13 @@
 
     results = run_on_processes(_worker, 2, args=(2,))   # -> [value of rank 0, value of rank 1]
 
+The ranks are forked from multiprocessing's fork server, which imports torch and megatron-core once per parent
+process (PRELOAD): a spawned rank would import them again, about 4 s of CPU each on a small machine, which is most
+of what a short test's ranks do. The server is a fresh interpreter that has run no torch op and started no thread,
+so forking it is as safe as spawning; a child gets what a spawned one gets besides: the parent's environment and
+working directory at the call, sys.path, and the parent's standard output and error (passed at each start, not the
+server's).
+
 Each child gets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a
 free port) so kdexp.distributed.initialize() takes its torchrun path, one intra-op thread (the CPU is shared), and
 kdexp.distributed.destroy() after fn returns. A failure in any rank is raised in the parent with that rank's
@@ -24,6 +31,11 @@ import queue
 import socket
 import time
 import traceback
+from multiprocessing import reduction
+
+# What the ranks' fork server imports once (ImportErrors ignored: a module the machine lacks is the rank's to import).
+PRELOAD = ("torch", "numpy", "megatron.core", "megatron.core.models.gpt", "megatron.core.tensor_parallel",
+           "megatron.core.inference.contexts", "megatron.core.optimizer", "megatron.core.distributed")
 
 
 def free_port() -> int:
@@ -33,8 +45,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, port, args, kwargs, env, results):
+class _ParentStdio:
+    """The caller's standard output and error, passed to a rank when it starts (pickled as descriptors)."""
+
+    def __reduce__(self):
+        return _attach_stdio, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _attach_stdio(out, err) -> None:
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    for target, dup in ((1, out), (2, err)):
+        fd = dup.detach()
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _child(fn, rank, world_size, port, args, kwargs, env, results, parent_env=None, stdio=None):
     try:
+        if parent_env is not None:  # the caller's environment now, not the fork server's when it started
+            os.environ.clear()
+            os.environ.update(parent_env)
         os.environ.update({
             "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -61,13 +94,15 @@ def _child(fn, rank, world_size, port, args, kwargs, env, results):
 
 
 def run_on_processes(fn, nprocs: int = 2, *, args=(), kwargs=None, env=None, timeout: float = 300.0) -> list:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on `nprocs` spawned processes; return the results by rank."""
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on `nprocs` new processes; return the results by rank."""
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts (the first call of this process)
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, nprocs, port, tuple(args), dict(kwargs or {}), env, results),
+    procs = [ctx.Process(target=_child, args=(fn, r, nprocs, port, tuple(args), dict(kwargs or {}), env, results,
+                                              dict(os.environ), _ParentStdio()),
                          daemon=False) for r in range(nprocs)]
     for p in procs:
         p.start()
