@@ -16,8 +16,8 @@ again in the child through torch.set_num_threads; numpy's and Python's random st
 warnings of the preloaded modules are not shown again (kdexp filters megatron's anyway; tests/test_quiet.py checks
 the filters in-process and tests/test_bench_help.py launches fresh interpreters). The processes such a launch starts in
 turn, a local sweep's workers and torchrun's ranks, hand themselves over to the server (hand_over, called from
-tests/_site/sitecustomize.py) and stand in for their child; SLURM jobs, the docs' pages run in a shell and the
-launches a test holds while they run stay real processes.
+tests/_site/sitecustomize.py) and stand in for their child, as does each ``python -m kdexp...`` of a docs page that
+tests/test_readme.py runs in a shell; SLURM jobs and the launches a test holds while they run stay real processes.
 
     python tests/_zygote.py SOCKET      # the server: one per pytest worker, started by Zygote below
 

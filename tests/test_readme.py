@@ -19,6 +19,8 @@ A page is a session: its run blocks run in order in one fresh directory (as a re
 (else one an earlier page made, else a smoke sweep / run made once for the module). What each line must leave behind is checked by what it runs
 (`expect`): a run finished with its overrides in its config, every point of a sweep finished with its swept values,
 a report wrote its files, a benchmark printed its numbers. `text` blocks without `<!-- output -->` are not commands.
+Each line runs in bash as printed; its `python -m kdexp...` hands itself over to the test process's fork server
+(shell_env below), so that the pages do not import torch and megatron-core once per command.
 """
 from __future__ import annotations
 
@@ -36,6 +38,8 @@ from typing import Optional
 
 import pytest
 import yaml
+
+from _zygote import Zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -146,7 +150,11 @@ def test_parser_reads_directives_commands_and_exits():
 @pytest.fixture(scope="module")
 def shell_env(tmp_path_factory):
     """`python` on PATH is this interpreter (a wrapper: a symlink would lose the venv), then the venv's scripts
-    (jupyter); kdexp imports from this tree; the session's KDEXP_CACHE (conftest) is shared."""
+    (jupyter); kdexp imports from this tree; the session's KDEXP_CACHE (conftest) is shared. A line's ``python -m
+    kdexp...`` starts as an interpreter that hands itself over to this process's fork server (tests/_zygote.py,
+    KDEXP_TEST_HAND_OVER in tests/_site/sitecustomize.py), as do the sweep workers it starts: the shell, the line,
+    its directory, environment, streams, signals and exit status are the reader's; torch, megatron-core, Hydra and
+    W&B are imported once per pytest worker instead of once per command."""
     bin_dir = tmp_path_factory.mktemp("bin")
     (bin_dir / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     (bin_dir / "python").chmod(0o755)
@@ -154,6 +162,7 @@ def shell_env(tmp_path_factory):
     env = {**os.environ, "PATH": path,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "XDG_CONFIG_HOME": str(tmp_path_factory.mktemp("xdg"))}
+    env = {**Zygote.child_env(env), "KDEXP_TEST_HAND_OVER": "kdexp"}
     for name in ("KDEXP_RUN_STAMP", "KDEXP_SITE_DIR", "WANDB_MODE"):
         env.pop(name, None)
     return env

@@ -9,13 +9,12 @@ from __future__ import annotations
 import math
 import statistics
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from scipy import stats as sps
 
+from _launch import kdexp_run
 from kdexp.report import load_sweep
 from kdexp.report.__main__ import main
 from kdexp.report.replicates import configurations
@@ -98,9 +97,7 @@ SMOKE = ("experiment=smoke", "logger=none", "trainer.max_steps=2", "trainer.eval
 
 
 def _multirun(env, sweep_dir: Path, *overrides: str) -> None:
-    cmd = [sys.executable, "-m", "kdexp.run", "-m", *SMOKE, *overrides, f"hydra.sweep.dir={sweep_dir}"]
-    done = subprocess.run(cmd, cwd=sweep_dir.parent, env=env, capture_output=True, text=True, timeout=1800)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    kdexp_run(["-m", *SMOKE, *overrides, f"hydra.sweep.dir={sweep_dir}"], env, sweep_dir.parent, timeout=1800)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import _teacher_cache_worker as w
+from _launch import kdexp_run
 from _lone_process import lone_process
 from kdexp.losses import teacher_topk_record
 from kdexp.teacher import CacheCorrupt, CacheMismatch, TeacherCache
@@ -232,8 +233,7 @@ def test_a_cache_of_another_format_is_refused_naming_it(tmp_path):
 
 def _worker(path, *args, check=True):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(WORKER.parent)]), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, str(WORKER), str(path), *args], env=env, capture_output=True, text=True,
-                          timeout=300, check=check)
+    return kdexp_run([str(path), *args], env, entry=str(WORKER), check=check, timeout=300)
 
 
 def _shard_digests(path):
