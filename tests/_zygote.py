@@ -386,6 +386,17 @@ def hand_over(path: str, argv: list[str]) -> None:
         conn.close()
         os.close(alive_w)
         return
+    # From here on a child runs the launch, so this never returns: an exception raised out of sitecustomize is
+    # reported by Python, which then runs the launch itself, a second time beside (or after) its child.
+    try:
+        _stand_in_for(pid, conn)
+    except BaseException as e:  # noqa: BLE001
+        print(f"zygote: stand-in {os.getpid()} for {pid} failed: {e!r}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _stand_in_for(pid: int, conn: socket.socket) -> None:
+    """Pass FORWARDED signals on to the child `pid` until the server says how it ended, then end alike."""
     if os.environ.get("KDEXP_TEST_FORK_SERVER_VERBOSE"):
         print(f"handed over: {os.getpid()} -> {pid}", file=sys.stderr, flush=True)
 
@@ -401,9 +412,18 @@ def hand_over(path: str, argv: list[str]) -> None:
         while alive(pid):
             time.sleep(0.5)
         os._exit(1)
+    end_as(code)
+
+
+def end_as(code: int) -> None:
+    """End this process as a child that ended with `code` did (subprocess's convention: -N for death by signal N):
+    killed by the same signal (SIGKILL takes no handler to reset; a signal whose default is to be ignored ends it
+    with 128 + N, as a shell reports it), else exiting with the code."""
     if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
-        os.kill(os.getpid(), -code)
+        signum = -code
+        if signum != signal.SIGKILL:
+            signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
     os._exit(code if code >= 0 else 128 - code)
 
 

@@ -175,6 +175,19 @@ def test_a_stand_in_passes_signals_on_and_ends_as_its_child(tmp_path):
     assert proc.wait(timeout=60) == -signal.SIGTERM
 
 
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_a_stand_in_whose_child_dies_of_a_signal_dies_of_it_too_and_never_runs_the_launch_again(tmp_path, signum):
+    """A child that kills itself (tests/_fault_run.py's SIGKILL after a step): its stand-in is killed by the same
+    signal, as a fresh process would be. (For SIGKILL it raised instead, which Python reports out of sitecustomize
+    and then runs the launch a second time in the stand-in: see the torchrun test below.)"""
+    marks = tmp_path / "ran"
+    proc = _stand_in(tmp_path, f"import os\nopen({str(marks)!r}, 'a').write('ran\\n')\n"
+                               f"os.kill(os.getpid(), {int(signum)})\n")
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == -signum and "not handed over" not in out, (proc.returncode, out)
+    assert marks.read_text() == "ran\n"  # once: the child's run only
+
+
 def test_a_stand_in_killed_outright_takes_its_child_along(tmp_path):
     proc = _stand_in(tmp_path, "import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(600)\n")
     child = int(proc.stdout.readline())
@@ -227,7 +240,8 @@ def test_only_a_local_sweep_worker_hands_itself_over(executor, tmp_path):
 
 def test_torchrun_ranks_hand_themselves_over_and_run_as_fresh_ones(tmp_path):
     """A torchrun launch run by the server: its ranks (``python -u SCRIPT`` with TORCHELASTIC_RUN_ID) hand over, join
-    their gloo group and print what fresh ranks print; a rank's failure fails torchrun alike."""
+    their gloo group and print what fresh ranks print; a rank's failure fails torchrun alike, and so do ranks that
+    SIGKILL themselves, each having run once."""
     script = tmp_path / "ranks.py"
     script.write_text(textwrap.dedent("""
         import os, sys, torch, torch.distributed as dist
@@ -237,12 +251,14 @@ def test_torchrun_ranks_hand_themselves_over_and_run_as_fresh_ones(tmp_path):
         # one write per line (print writes its end separately): the two ranks share one pipe
         sys.stdout.write(f"rank {dist.get_rank()} of {dist.get_world_size()}: {x.item()}\\n")
         sys.stdout.flush()
+        if sys.argv[1:] == ["kill"]:  # as tests/_fault_run.py ends a rank after a step
+            os.kill(os.getpid(), 9)
         dist.destroy_process_group()
         sys.exit(3 if sys.argv[1:] == ["fail"] and os.environ["RANK"] == "1" else 0)
         """))
     from kdexp.distributed.testing import free_port
 
-    for args in ([], ["fail"]):
+    for args in ([], ["fail"], ["kill"]):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), str(script), *args]
         env = {**os.environ, "KDEXP_TEST_FORK_SERVER_VERBOSE": "1"}
