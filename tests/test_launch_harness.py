@@ -238,6 +238,23 @@ def test_only_a_local_sweep_worker_hands_itself_over(executor, tmp_path):
     assert other.stdout == "ran here\n" and "handed over" not in other.stderr
 
 
+def test_a_docs_shell_hands_over_its_kdexp_commands_only(tmp_path):
+    """KDEXP_TEST_HAND_OVER=kdexp (tests/test_readme.py's shell): a line's ``python -m kdexp...`` hands over and prints
+    and returns what a fresh one does; ``python -c`` and other modules start as usual."""
+    env = {**Zygote.child_env({"PATH": "/usr/bin:/bin", "PYTHONPATH": str(Path(__file__).parents[1])}),
+           "KDEXP_TEST_HAND_OVER": "kdexp", "KDEXP_TEST_FORK_SERVER_VERBOSE": "1"}
+    line = ["bash", "-c", f"{sys.executable} -m kdexp.bench.gpu --help; echo exit $?"]
+    forked = subprocess.run(line, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    fresh = subprocess.run(line, env={**env, "KDEXP_TEST_HAND_OVER": ""}, cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)
+    assert "handed over" in forked.stderr and "handed over" not in fresh.stderr, forked.stderr
+    assert forked.stdout == fresh.stdout and forked.stdout.endswith("exit 0\n"), (forked.stdout, fresh.stdout)
+    for other in (["-c", "print('ran here')"], ["-m", "json.tool", "--help"]):
+        proc = subprocess.run([sys.executable, *other], env=env, cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0 and "handed over" not in proc.stderr, proc.stderr
+
+
 def test_torchrun_ranks_hand_themselves_over_and_run_as_fresh_ones(tmp_path):
     """A torchrun launch run by the server: its ranks (``python -u SCRIPT`` with TORCHELASTIC_RUN_ID) hand over, join
     their gloo group and print what fresh ranks print; a rank's failure fails torchrun alike, and so do ranks that
