@@ -13,7 +13,7 @@ A launch run to its end (kdexp_run) of ``python -m MOD``, ``python -c CODE`` or 
 process's fork server (tests/_zygote.py: torch, megatron-core, Hydra and W&B imported once, kdexp afresh in each
 child), not started as a new interpreter, and the sweep workers and torchrun ranks it starts hand themselves over to
 the same server; ``fresh=True`` starts a new interpreter, as does kdexp_popen (a process the test holds while it
-runs).
+runs; its own sweep workers and ranks hand over).
 """
 from __future__ import annotations
 
@@ -91,8 +91,11 @@ def kdexp_run(args: Sequence[str], env: Optional[dict] = None, cwd=None, *, chec
 
 def kdexp_popen(args: Sequence[str], env: Optional[dict] = None, cwd=None, *, entry: Optional[str] = None,
                 code: Optional[str] = None, **popen) -> subprocess.Popen:
-    """The same launch left running (the caller waits, signals or kills it); ``popen`` goes to subprocess.Popen."""
-    return subprocess.Popen(command(args, entry=entry, code=code), cwd=cwd, env=env, **popen)
+    """The same launch left running (the caller waits, signals or kills it; its pid is the run's); ``popen`` goes
+    to subprocess.Popen. It is a new interpreter, but the workers of a local sweep it runs and the ranks its
+    torchrun starts hand themselves over to this process's fork server, as kdexp_run's do."""
+    return subprocess.Popen(command(args, entry=entry, code=code), cwd=cwd,
+                            env=Zygote.child_env(os.environ if env is None else env), **popen)
 
 
 def metrics(run_dir: Path, kind: str) -> list[dict]:

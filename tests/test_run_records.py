@@ -13,7 +13,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -180,8 +179,7 @@ def cut(path: Path, keep) -> None:
 def test_a_resume_over_a_cut_metrics_file_says_so_and_logs_every_step_once(env, tmp_path):
     run_dir = tmp_path / "run"
     args = [*SMOKE, "trainer.max_steps=6", "trainer.checkpoint_interval=2", f"hydra.run.dir={run_dir}"]
-    killed = subprocess.run([sys.executable, FAULT_RUN, "5", *args], cwd=tmp_path, env=env, capture_output=True,
-                            text=True, timeout=600)
+    killed = kdexp_run(args, env, tmp_path, check=False, timeout=600, kill_at=5)
     assert killed.returncode == -9 and (run_dir / "checkpoints" / "latest").read_text().strip() == "4"
     cut(run_dir / "metrics.jsonl", lambda step: step <= 1)  # the record lost steps 2-5; the weights are at step 4
     rerun = kdexp_run(args, env, tmp_path, check=False, timeout=600)
@@ -215,8 +213,7 @@ def test_a_finished_point_with_a_hole_in_its_record_is_neither_reused_nor_resume
 def test_a_point_resumed_from_another_run_says_so_and_costs_only_what_it_trained(env, tmp_path):
     args = ["-m", *SMOKE, "trainer.max_steps=6", "trainer.checkpoint_interval=2", "balancer.alpha=0.7"]
     first, second = tmp_path / "first", tmp_path / "second"
-    killed = subprocess.run([sys.executable, FAULT_RUN, "5", *args, f"hydra.sweep.dir={first}"], cwd=tmp_path,
-                            env=env, capture_output=True, text=True, timeout=600)
+    killed = kdexp_run([*args, f"hydra.sweep.dir={first}"], env, tmp_path, check=False, timeout=600, kill_at=5)
     assert killed.returncode == -9
     rerun = kdexp_run([*args, f"hydra.sweep.dir={second}"], env, tmp_path, check=False, timeout=600)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
