@@ -412,10 +412,10 @@ def _stand_in_for(pid: int, conn: socket.socket) -> None:
         while alive(pid):
             time.sleep(0.5)
         os._exit(1)
-    end_as(code)
+    _end_as(code)
 
 
-def end_as(code: int) -> None:
+def _end_as(code: int) -> None:
     """End this process as a child that ended with `code` did (subprocess's convention: -N for death by signal N):
     killed by the same signal (SIGKILL takes no handler to reset; a signal whose default is to be ignored ends it
     with 128 + N, as a shell reports it), else exiting with the code."""

@@ -45,29 +45,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class _ParentStdio:
-    """The caller's standard output and error, passed to a rank when it starts (pickled as descriptors)."""
+class _CallerStdio:
+    """The caller's standard output and error, pickled as descriptors when a rank starts; attach() makes them the
+    rank's fd 1 and 2."""
+
+    def __init__(self, out=None, err=None):
+        self.out, self.err = out, err
 
     def __reduce__(self):
-        return _attach_stdio, (reduction.DupFd(1), reduction.DupFd(2))
+        return type(self), (reduction.DupFd(1), reduction.DupFd(2))
+
+    def attach(self) -> None:
+        import sys
+
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        for target, dup in ((1, self.out), (2, self.err)):
+            fd = dup.detach()
+            os.dup2(fd, target)
+            os.close(fd)
 
 
-def _attach_stdio(out, err) -> None:
-    import sys
-
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    for target, dup in ((1, out), (2, err)):
-        fd = dup.detach()
-        os.dup2(fd, target)
-        os.close(fd)
-
-
-def _child(fn, rank, world_size, port, args, kwargs, env, results, parent_env=None, stdio=None):
+def _child(fn, rank, world_size, port, args, kwargs, env, results, caller_env, stdio):
     try:
-        if parent_env is not None:  # the caller's environment now, not the fork server's when it started
-            os.environ.clear()
-            os.environ.update(parent_env)
+        stdio.attach()
+        os.environ.clear()  # the caller's environment now, not the fork server's when it started
+        os.environ.update(caller_env)
         os.environ.update({
             "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -102,7 +105,7 @@ def run_on_processes(fn, nprocs: int = 2, *, args=(), kwargs=None, env=None, tim
     results = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_child, args=(fn, r, nprocs, port, tuple(args), dict(kwargs or {}), env, results,
-                                              dict(os.environ), _ParentStdio()),
+                                              dict(os.environ), _CallerStdio()),
                          daemon=False) for r in range(nprocs)]
     for p in procs:
         p.start()
