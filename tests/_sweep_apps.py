@@ -6,11 +6,11 @@ import glob
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Optional
 
 import kdexp.conf
+from _launch import kdexp_run
 
 CONF_DIR = Path(kdexp.conf.__file__).resolve().parent
 
@@ -73,8 +73,10 @@ def app_env(sweep_root: Path, **extra: str) -> dict:
 
 def run_app(script: Path, args: list[str], sweep_root: Path, timeout: float = 300,
             env: Optional[dict] = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(script), "-m", *args], cwd=script.parent,
-                          env=env or app_env(sweep_root), capture_output=True, text=True, timeout=timeout)
+    """``python SCRIPT -m ARGS`` to its end (tests/_launch.py's kdexp_run: its workers, SLURM tasks included, are
+    forked from the fork server); past ``timeout`` it is killed and raises AssertionError with its output."""
+    return kdexp_run(["-m", *args], env or app_env(sweep_root), script.parent, entry=str(script), check=False,
+                     timeout=timeout)
 
 
 def sweep_dirs(sweep_root: Path) -> list[Path]:

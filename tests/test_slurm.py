@@ -2,7 +2,9 @@
 
 The cluster fixture uses a running cluster, or starts it (root + apt-get: tests/_slurm_cluster.py), or skips these
 tests with the reason in pytest's summary; under CI=true a cluster that cannot be started fails them instead.
-Each point runs as a 2-task SLURM job (the slurm_cpu preset) whose tasks talk over gloo.
+Each point runs as a 2-task SLURM job (the slurm_cpu preset) whose tasks talk over gloo. The Python that srun starts
+in each task hands its work over to the test's fork server and stands in for it (tests/_site/sitecustomize.py), as
+torchrun's ranks do: SLURM still schedules, signals, requeues and waits for the task.
 """
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -125,8 +126,8 @@ def test_sweep_of_two_task_points_with_gloo_all_reduce(tmp_path):
     try:
         r = run_app(script, ["x=1,2,3", "hydra/launcher=slurm_cpu", "hydra.launcher.timeout_min=10"], root,
                     timeout=600)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"sweep did not end in 600 s\n{_diagnostics(root)}")
+    except AssertionError as e:  # past its timeout: killed, its output in e
+        pytest.fail(f"sweep did not end in 600 s: {e}\n{_diagnostics(root)}")
     finally:
         _cancel_jobs(root)
     out = r.stdout + r.stderr
@@ -165,9 +166,8 @@ def task(cfg):
 def test_preempted_point_is_requeued_into_the_same_run_dir(tmp_path):
     script = write_app(tmp_path / "app", REQUEUE_TASK, name="requeue_app")
     root = tmp_path / "sweeps"
-    proc = subprocess.Popen([sys.executable, str(script), "-m", "x=7", "hydra/launcher=slurm_cpu",
-                             "hydra.launcher.timeout_min=10"], cwd=script.parent, env=app_env(root),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = kdexp_popen(["-m", "x=7", "hydra/launcher=slurm_cpu", "hydra.launcher.timeout_min=10"], app_env(root),
+                       script.parent, entry=str(script), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def wait_for(what, condition, timeout_s=300.0):
         deadline = time.monotonic() + timeout_s
@@ -243,8 +243,8 @@ def test_trainer_sweep_tp2_on_slurm_matches_tp1_basic_launcher(tmp_path, seeded_
     try:
         r = _kdexp_sweep(tmp_path / "w", slurm_dir, ["parallel.tensor=2", "hydra/launcher=slurm_cpu",
                                                      "hydra.launcher.timeout_min=20"], timeout=900)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"SLURM sweep did not end in 900 s\n{_diagnostics(tmp_path)}")
+    except AssertionError as e:  # past its timeout: killed, its output in e
+        pytest.fail(f"SLURM sweep did not end in 900 s: {e}\n{_diagnostics(tmp_path)}")
     finally:
         _cancel_jobs(slurm_dir)
     assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-5000:]

@@ -1,18 +1,22 @@
 """`make wheelhouse`: an offline node installs kdexp from the folder alone (pip --no-index) and runs it.
 
 The node is simulated by a fresh venv that has what the documented GPU-node recipe says it has (torch and
-transformers, installed the ordinary way first); everything else must come from the wheelhouse, with no index."""
+transformers with what they need, installed there from this venv's own files); everything else must come from the
+wheelhouse, with no index."""
 from __future__ import annotations
 
 import importlib.metadata as md
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from kdexp.launchers import wheelhouse
 
@@ -38,6 +42,37 @@ def test_have_file_names_are_normalised(tmp_path):
     assert wheelhouse.freeze_names(freeze) == {"torch", "typing-extensions", "huggingface-hub"}
 
 
+def _preinstall(node: Path, names: list[str]) -> dict[str, Path]:
+    """Install `names` and every distribution they need (markers evaluated here, extras not) into the venv `node` as
+    this interpreter has them installed: their files hard-linked (copied where a link cannot be made), their
+    dist-info included, so the node's pip sees them installed as a pip install would leave them. Faster than pip
+    installing torch again; pip never writes into an installed file (it replaces or removes), so the links stay
+    this venv's. Returns each distribution's METADATA in the node."""
+    site = next((node / "lib").glob("python3*/site-packages"))
+    done: dict[str, Path] = {}
+    todo = list(names)
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in done:
+            continue
+        dist = md.distribution(name)
+        for rel in dist.files or []:
+            src = Path(dist.locate_file(rel))
+            if ".." in rel.parts or not src.is_file():  # console scripts outside site-packages; unrecorded caches
+                continue
+            dst = site / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src, dst)
+            except OSError:  # another file system
+                shutil.copy2(src, dst)
+        done[name] = next(site / rel for rel in dist.files if rel.name == "METADATA" and len(rel.parts) == 2)
+        for req in map(Requirement, dist.requires or []):
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return done
+
+
 @pytest.mark.slow
 def test_offline_node_installs_and_runs_from_the_wheelhouse(tmp_path, seeded_cache):
     house = tmp_path / "wheelhouse"
@@ -55,10 +90,14 @@ def test_offline_node_installs_and_runs_from_the_wheelhouse(tmp_path, seeded_cac
 
     node = tmp_path / "node"
     _run([sys.executable, "-m", "venv", str(node)])
-    pip = [str(node / "bin" / "python"), "-m", "pip", "install", "-q"]
-    # what the node already has: the pinned torch and transformers of this checkout, installed the ordinary way
-    _run([*pip, f"torch=={md.version('torch')}", f"transformers=={md.version('transformers')}"])
-    _run([*pip, "--no-index", "--find-links", str(house), "kdexp"])
+    # what the node already has: torch and transformers with their dependencies, as this checkout installed them
+    have = _preinstall(node, ["torch", "transformers"])
+    assert {"torch", "transformers", "numpy", "tokenizers"} <= have.keys(), sorted(have)
+    have_inodes = {name: meta.stat().st_ino for name, meta in have.items()}
+    _run([str(node / "bin" / "python"), "-m", "pip", "install", "-q", "--no-index", "--find-links", str(house),
+          "kdexp"])
+    # pip kept the node's own torch and transformers and what they need: not one of them reinstalled
+    assert {name: meta.stat().st_ino for name, meta in have.items()} == have_inodes
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
