@@ -10,15 +10,21 @@ averaged with finished ones. PNGs are written atomically: a live page never show
 """
 from __future__ import annotations
 
+import hashlib
+import io
 import os
+import pickle
 import re
+import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.transforms import TransformNode
 
 from kdexp.report.model import Point, Sweep, iter_values, short
 from kdexp.report.ranges import clipped
@@ -39,12 +45,63 @@ def _figure(n_panels: int, width: float = 4.6, height: float = 3.4) -> tuple[Fig
     return fig, axes
 
 
+DPI = 100
+KEY = "kdexp-figure"  # the PNG's tEXt chunk holding the key of the figure drawn into it
+
+
+class _FigureState(pickle.Pickler):
+    """Pickles a figure as its own pickling would (every artist's state: what a redraw needs), minus what differs
+    between two identical figures: a transform's back-references to its parents, keyed by id()."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, TransformNode):
+            return type(obj), (), {k: v for k, v in obj.__getstate__().items() if k != "_parents"}
+        return NotImplemented
+
+
+def figure_key(fig: Figure) -> Optional[str]:
+    """A digest of everything that decides a figure's PNG: its artists' state, the rcParams read at draw time, the
+    dpi and matplotlib's version. Equal keys draw equal PNGs; None when the figure cannot be pickled."""
+    buf = io.BytesIO()
+    try:
+        _FigureState(buf, protocol=5).dump((matplotlib.__version__, DPI, sorted(matplotlib.rcParams.items()), fig))
+    except Exception:  # noqa: BLE001 - an artist that cannot be pickled: always draw
+        return None
+    return hashlib.sha256(buf.getvalue()).hexdigest()
+
+
+def png_key(path: Path) -> Optional[str]:
+    """The figure key a PNG written by ``_save`` carries (its tEXt chunks before the image data), or None."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(8) != b"\x89PNG\r\n\x1a\n":
+                return None
+            while True:
+                head = f.read(8)
+                if len(head) < 8:
+                    return None
+                size, kind = struct.unpack(">I4s", head)
+                if kind in (b"IDAT", b"IEND"):
+                    return None
+                data = f.read(size + 4)[:size]  # the chunk and its CRC
+                if kind == b"tEXt" and data.startswith(KEY.encode() + b"\0"):
+                    return data[len(KEY) + 1:].decode("latin-1")
+    except OSError:
+        return None
+
+
 def _save(fig: Figure, path: Path) -> Path:
+    """Write ``fig`` to ``path`` atomically, unless the PNG there already shows this very figure (same key): a
+    live report redrawn on every point's start and end mostly redraws unchanged figures, and drawing one (constrained
+    layout, then rendering) is most of a refresh's time."""
     path = Path(path)
+    key = figure_key(fig)
+    if key is not None and png_key(path) == key:
+        return path
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".png.tmp")
     with os.fdopen(fd, "wb") as f:
-        fig.savefig(f, format="png", dpi=100)
+        fig.savefig(f, format="png", dpi=DPI, metadata={KEY: key} if key is not None else None)
     os.chmod(tmp, 0o644)
     os.replace(tmp, path)
     return path
