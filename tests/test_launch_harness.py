@@ -221,17 +221,18 @@ def test_a_stand_in_whose_server_goes_away_waits_for_its_child_and_never_runs_th
     assert marks.read_text() == "ran\n"  # the child ran it, once: the stand-in did not run it again
 
 
-@pytest.mark.parametrize("executor", ["local", "slurm"])
-def test_only_a_local_sweep_worker_hands_itself_over(executor, tmp_path):
-    """tests/_site/sitecustomize.py: ``python -u -m submitit.core._submit`` under submitit's local executor hands
-    over (and fails as a fresh one does on a folder without a job); under SLURM, or any other command, it does not."""
+@pytest.mark.parametrize("executor", ["local", "slurm", "other"])
+def test_only_a_sweep_worker_hands_itself_over(executor, tmp_path):
+    """tests/_site/sitecustomize.py: ``python -u -m submitit.core._submit`` under submitit's local or SLURM executor
+    (a local worker, a SLURM task) hands over (and fails as a fresh one does on a folder without a job); under
+    another executor, or any other command, it does not."""
     env = {**Zygote.child_env({"PATH": "/usr/bin:/bin"}), "SUBMITIT_EXECUTOR": executor,
            "KDEXP_TEST_FORK_SERVER_VERBOSE": "1"}
     cmd = [sys.executable, "-u", "-m", "submitit.core._submit", str(tmp_path / "no-job")]
     worker = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     fresh = subprocess.run(cmd, env={**env, FORK_SERVER: ""}, cwd=tmp_path, capture_output=True, text=True,
                            timeout=300)
-    assert ("handed over" in worker.stderr) == (executor == "local"), worker.stderr
+    assert ("handed over" in worker.stderr) == (executor != "other"), worker.stderr
     assert worker.returncode == fresh.returncode != 0
     other = subprocess.run([sys.executable, "-u", "-c", "print('ran here')"], env=env, cwd=tmp_path,
                            capture_output=True, text=True, timeout=300)
