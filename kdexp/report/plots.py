@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import matplotlib
+from matplotlib import font_manager
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.transforms import TransformNode
@@ -61,10 +62,13 @@ class _FigureState(pickle.Pickler):
 
 def figure_key(fig: Figure) -> Optional[str]:
     """A digest of everything that decides a figure's PNG: its artists' state, the rcParams read at draw time, the
-    dpi and matplotlib's version. Equal keys draw equal PNGs; None when the figure cannot be pickled."""
+    font file the default family resolves to, the dpi and matplotlib's version. Equal keys draw equal PNGs; None when
+    the figure cannot be pickled."""
     buf = io.BytesIO()
     try:
-        _FigureState(buf, protocol=5).dump((matplotlib.__version__, DPI, sorted(matplotlib.rcParams.items()), fig))
+        font = font_manager.findfont(font_manager.FontProperties(family=matplotlib.rcParams["font.family"]))
+        _FigureState(buf, protocol=5).dump((matplotlib.__version__, DPI, font, sorted(matplotlib.rcParams.items()),
+                                            fig))
     except Exception:  # noqa: BLE001 - an artist that cannot be pickled: always draw
         return None
     return hashlib.sha256(buf.getvalue()).hexdigest()
