@@ -1,6 +1,8 @@
-"""A PNG of the report is redrawn when its figure changed and only then: the figure's key (a digest of its artists'
-state, rcParams, dpi and matplotlib's version) rides in the PNG, and an equal key leaves the file untouched. Checked
-against the pixels: a skipped write would have drawn the same image, a changed figure draws another."""
+"""What a live report saves at each refresh, checked against the work it skips. A PNG is redrawn when its figure
+changed and only then: the figure's key (a digest of its artists' state, rcParams, font, dpi and matplotlib's version)
+rides in the PNG, and an equal key leaves the file untouched; checked against the pixels (a skipped write would have
+drawn the same image, a changed figure draws another). The points' .hydra files are parsed by libyaml: checked
+against yaml.safe_load."""
 from __future__ import annotations
 
 import io
@@ -94,3 +96,25 @@ def test_a_png_without_a_key_or_not_a_png_is_redrawn(tmp_path):
     assert png_key(out / "curves.png") is None and png_key(out / "missing.png") is None
     files = write_plots(_sweep(tmp_path / "a", {0.5: 0.9, 1.0: 0.7}), out)
     assert png_key(files["curves"]) is not None and _pixels(files["curves"]).shape[0] > 100
+
+
+def test_a_points_config_is_read_as_yaml_safe_load_reads_it(tmp_path):
+    """The report reads .hydra/*.yaml with libyaml's parser where PyYAML has it: the values are yaml.safe_load's,
+    YAML 1.1's corner cases included (on/off and yes/no are booleans, 1e-3 without a dot is a string, .nan, .inf,
+    ~, a date, an anchor)."""
+    import math
+
+    import yaml
+
+    run = write_run_dir(tmp_path / "s" / "0", overrides=["balancer.alpha=0.5"], config=tiny_config(0.5, "topk"),
+                        num=0, steps=4, final={"val/kl_to_teacher": 0.5})
+    text = (run / ".hydra" / "config.yaml").read_text() + (
+        "corner:\n  a: on\n  b: off\n  c: yes\n  d: 1e-3\n  e: 1.0e-3\n  f: .nan\n  g: -.inf\n  h: ~\n"
+        "  i: 2026-12-08\n  j: &x [1, '2', 3.0]\n  k: *x\n  l: 0o17\n  m: 0x1f\n  n: '007'\n  o: 1_000\n")
+    (run / ".hydra" / "config.yaml").write_text(text)
+    (point,) = load_sweep(tmp_path / "s").points
+    expected = yaml.safe_load(text)
+    got = point.config
+    assert math.isnan(got["corner"].pop("f")) and math.isnan(expected["corner"].pop("f"))
+    assert got == expected
+    assert got["corner"]["a"] is True and got["corner"]["d"] == "1e-3" and got["corner"]["e"] == 0.001

@@ -24,9 +24,14 @@ SKIP_DIRS = records.RUN_INTERNALS | {"report"}
 RUN_MARKERS = (records.METRICS, records.SUMMARY, records.POINT)
 
 
+# PyYAML's safe loader on libyaml's parser where PyYAML was built with it (the same resolver and constructor as
+# yaml.safe_load, about 8x faster): a live report reads every point's .hydra files at each refresh
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def _read_yaml(path: Path) -> Any:
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.load(path.read_text(), Loader=_LOADER)
     except (OSError, yaml.YAMLError):
         return None
 
